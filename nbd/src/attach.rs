@@ -1,0 +1,241 @@
+//! The whole attach, reconnect and detach sequences, shared by the node daemon and `nbdctl`.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::time::{Duration, Instant};
+
+use crate::dial::{self, DialOptions};
+use crate::handshake::ExportInfo;
+use crate::identity::{BackendId, DeviceIndex};
+use crate::netlink::{ConnectRequest, NbdNetlink, ReconfigureRequest};
+use crate::sysfs::{ProvenDevice, Sysfs};
+use crate::uri::NbdUri;
+use crate::Error;
+
+/// How to attach an export.
+#[derive(Debug, Clone)]
+pub struct AttachOptions {
+    /// What the device will carry in `/sys/block/nbdN/backend`.
+    pub identifier: BackendId,
+    /// A specific device, or `None` for any free one.
+    pub index: Option<DeviceIndex>,
+    pub dial: DialOptions,
+    /// Per-request timeout. When it fires the kernel marks the connection dead and requeues
+    /// the request, which then waits for RECONFIGURE: a stalled server is healed like a dead one.
+    pub io_timeout: Option<Duration>,
+    /// How long I/O waits for RECONFIGURE after a link dies before failing with EIO.
+    pub dead_conn_timeout: Duration,
+    /// Logical block size; `None` picks the smallest the export and the kernel both accept.
+    pub block_size: Option<u32>,
+    /// I/O scheduler to select; `None` leaves the kernel's choice.
+    pub scheduler: Option<String>,
+    /// How long to wait for the device node and its size after CONNECT.
+    pub ready_timeout: Duration,
+}
+
+impl AttachOptions {
+    pub fn new(identifier: BackendId) -> Self {
+        Self {
+            identifier,
+            index: None,
+            dial: DialOptions::default(),
+            io_timeout: Some(Duration::from_secs(30)),
+            dead_conn_timeout: Duration::from_secs(120),
+            block_size: None,
+            scheduler: Some("none".into()),
+            ready_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// An attached export.
+#[derive(Debug, Clone)]
+pub struct Attached {
+    pub device: ProvenDevice,
+    pub info: ExportInfo,
+    pub connections: usize,
+}
+
+/// Dials the export, hands the sockets to the kernel, waits for the device, and proves it
+/// carries our identifier. On failure after CONNECT, a device proven ours is disconnected
+/// again so nothing half-attached is left behind.
+pub async fn attach(
+    nl: &NbdNetlink,
+    sysfs: &Sysfs,
+    uri: &NbdUri,
+    opts: &AttachOptions,
+) -> Result<Attached, Error> {
+    let dialed = dial::dial(uri, &opts.dial).await?;
+    let block_size = kernel_block_size(&dialed.info, opts.block_size)?;
+    let index = connect(nl, opts, &dialed.info, block_size, &dialed.sockets).await?;
+    let connections = dialed.sockets.len();
+    // The kernel holds its own references now; ours would only keep sockets of a failed
+    // device alive.
+    drop(dialed.sockets);
+
+    match settle(sysfs, index, &dialed.info, opts).await {
+        Ok(device) => Ok(Attached {
+            device,
+            info: dialed.info,
+            connections,
+        }),
+        Err(e) => {
+            if let Ok(device) = sysfs.prove(index, &opts.identifier) {
+                if let Err(undo) = nl.disconnect(&device).await {
+                    tracing::warn!(%index, error = %undo, "could not undo a failed attach");
+                }
+            }
+            Err(e)
+        }
+    }
+}
+
+async fn connect(
+    nl: &NbdNetlink,
+    opts: &AttachOptions,
+    info: &ExportInfo,
+    block_size: u64,
+    sockets: &[OwnedFd],
+) -> Result<DeviceIndex, Error> {
+    let borrowed: Vec<_> = sockets.iter().map(|s| s.as_fd()).collect();
+    nl.connect(&ConnectRequest {
+        index: opts.index,
+        size_bytes: info.size,
+        block_size,
+        server_flags: info.flags,
+        timeout: opts.io_timeout,
+        dead_conn_timeout: opts.dead_conn_timeout,
+        client_flags: 0,
+        identifier: &opts.identifier,
+        sockets: &borrowed,
+    })
+    .await
+}
+
+async fn settle(
+    sysfs: &Sysfs,
+    index: DeviceIndex,
+    info: &ExportInfo,
+    opts: &AttachOptions,
+) -> Result<ProvenDevice, Error> {
+    sysfs
+        .wait_ready(index, info.size, opts.ready_timeout)
+        .await?;
+    let device = sysfs.prove(index, &opts.identifier)?;
+    if let Some(scheduler) = &opts.scheduler {
+        sysfs.set_scheduler(index, scheduler)?;
+    }
+    Ok(device)
+}
+
+/// Redials the export and gives the device fresh sockets under its own identifier. The
+/// kernel puts them into dead slots only, so live connections are left alone.
+pub async fn reconnect(
+    nl: &NbdNetlink,
+    uri: &NbdUri,
+    device: &ProvenDevice,
+    dial_opts: &DialOptions,
+) -> Result<ExportInfo, Error> {
+    let dialed = dial::dial(uri, dial_opts).await?;
+    let borrowed: Vec<_> = dialed.sockets.iter().map(|s| s.as_fd()).collect();
+    nl.reconfigure(&ReconfigureRequest {
+        index: device.index(),
+        identifier: device.identifier(),
+        sockets: &borrowed,
+        size_bytes: None,
+        dead_conn_timeout: None,
+    })
+    .await?;
+    Ok(dialed.info)
+}
+
+/// Disconnects the device after proving it carries `identifier`, then waits until the kernel
+/// has let go of its configuration.
+pub async fn detach(
+    nl: &NbdNetlink,
+    sysfs: &Sysfs,
+    index: DeviceIndex,
+    identifier: &BackendId,
+    timeout: Duration,
+) -> Result<(), Error> {
+    let device = sysfs.prove(index, identifier)?;
+    nl.disconnect(&device).await?;
+    wait_released(sysfs, index, timeout).await
+}
+
+/// Waits until the device no longer carries a backend identifier.
+pub async fn wait_released(
+    sysfs: &Sysfs,
+    index: DeviceIndex,
+    timeout: Duration,
+) -> Result<(), Error> {
+    let started = Instant::now();
+    loop {
+        let backend = sysfs.backend(index)?;
+        if backend.is_none() {
+            return Ok(());
+        }
+        if started.elapsed() >= timeout {
+            return Err(Error::NotReady {
+                device: index,
+                waited: timeout,
+                reason: format!("still carries {backend:?} after DISCONNECT"),
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// The logical block size to give the kernel: a power of two between 512 and the page size,
+/// no smaller than the export's minimum.
+pub fn kernel_block_size(info: &ExportInfo, requested: Option<u32>) -> Result<u64, Error> {
+    let page = page_size();
+    let minimum = info.block_sizes.map_or(1, |b| b.minimum);
+    let chosen = requested.unwrap_or_else(|| minimum.max(512));
+    let ok = chosen.is_power_of_two() && (512..=page).contains(&chosen) && chosen >= minimum;
+    if !ok {
+        return Err(Error::UnsupportedBlockSize(format!(
+            "block size {chosen} with export minimum {minimum} and page size {page}"
+        )));
+    }
+    Ok(u64::from(chosen))
+}
+
+fn page_size() -> u32 {
+    // SAFETY: sysconf has no preconditions and only reads a system constant.
+    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    u32::try_from(size).unwrap_or(4096)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::handshake::BlockSizes;
+    use crate::protocol::TransmissionFlags;
+
+    fn info(minimum: Option<u32>) -> ExportInfo {
+        ExportInfo {
+            size: 1 << 20,
+            flags: TransmissionFlags::HAS_FLAGS,
+            block_sizes: minimum.map(|minimum| BlockSizes {
+                minimum,
+                preferred: 4096,
+                maximum: 1 << 25,
+            }),
+        }
+    }
+
+    #[test]
+    fn block_size_choice() {
+        assert_eq!(kernel_block_size(&info(None), None).unwrap(), 512);
+        assert_eq!(kernel_block_size(&info(Some(1)), None).unwrap(), 512);
+        assert_eq!(kernel_block_size(&info(Some(4096)), None).unwrap(), 4096);
+        assert_eq!(
+            kernel_block_size(&info(Some(512)), Some(4096)).unwrap(),
+            4096
+        );
+        assert!(kernel_block_size(&info(Some(65536)), None).is_err());
+        assert!(kernel_block_size(&info(Some(4096)), Some(512)).is_err());
+        assert!(kernel_block_size(&info(None), Some(1000)).is_err());
+        assert!(kernel_block_size(&info(None), Some(256)).is_err());
+    }
+}

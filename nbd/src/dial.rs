@@ -1,0 +1,161 @@
+//! Dialing an export: connect, handshake under a deadline, and return blocking sockets ready to
+//! be handed to the kernel.
+
+use std::os::fd::OwnedFd;
+use std::time::Duration;
+
+use socket2::{SockRef, TcpKeepalive};
+use tokio::net::{TcpStream, UnixStream};
+use tokio::task::JoinSet;
+
+use crate::handshake::{self, ExportInfo};
+use crate::uri::{Endpoint, NbdUri};
+use crate::Error;
+
+/// The kernel refuses more sockets than this makes sense for; it is also the range the CSI
+/// parameter `nbdConnections` accepts.
+pub const MAX_CONNECTIONS: u8 = 16;
+
+/// How to dial an export.
+#[derive(Debug, Clone)]
+pub struct DialOptions {
+    /// Bound on connect plus handshake, per connection.
+    pub deadline: Duration,
+    /// Connections wanted; more than one only if the export advertises CAN_MULTI_CONN.
+    pub connections: u8,
+}
+
+impl Default for DialOptions {
+    fn default() -> Self {
+        Self {
+            deadline: Duration::from_secs(10),
+            connections: 1,
+        }
+    }
+}
+
+/// Sockets that completed the handshake for one export, all seeing the same export.
+#[derive(Debug)]
+pub struct Dialed {
+    pub info: ExportInfo,
+    pub sockets: Vec<OwnedFd>,
+}
+
+/// Dials `uri` and negotiates `opts.connections` connections. If more than one is wanted and
+/// the export does not advertise CAN_MULTI_CONN, one connection is returned with a warning:
+/// the kernel would refuse several, and a volume on one connection still works.
+pub async fn dial(uri: &NbdUri, opts: &DialOptions) -> Result<Dialed, Error> {
+    if opts.connections == 0 || opts.connections > MAX_CONNECTIONS {
+        return Err(Error::InvalidConnections(opts.connections));
+    }
+    let (info, first) = dial_one(uri, opts.deadline).await?;
+    let mut sockets = vec![first];
+    let wanted = if opts.connections > 1 && !info.multi_conn() {
+        tracing::warn!(
+            %uri,
+            wanted = opts.connections,
+            "export does not advertise CAN_MULTI_CONN; using one connection"
+        );
+        1
+    } else {
+        opts.connections
+    };
+
+    let mut rest = JoinSet::new();
+    for _ in 1..wanted {
+        let uri = uri.clone();
+        let deadline = opts.deadline;
+        rest.spawn(async move { dial_one(&uri, deadline).await });
+    }
+    while let Some(joined) = rest.join_next().await {
+        let (other, socket) = joined.map_err(|e| Error::Internal(e.to_string()))??;
+        if other.size != info.size || other.flags != info.flags {
+            return Err(Error::ExportChanged {
+                first: info,
+                later: other,
+            });
+        }
+        sockets.push(socket);
+    }
+    Ok(Dialed { info, sockets })
+}
+
+/// One connection: connect and handshake within `deadline`.
+pub async fn dial_one(uri: &NbdUri, deadline: Duration) -> Result<(ExportInfo, OwnedFd), Error> {
+    let attempt = async {
+        match uri.endpoint() {
+            Endpoint::Tcp { host, port } => {
+                let mut stream =
+                    TcpStream::connect((host.as_str(), *port))
+                        .await
+                        .map_err(|source| Error::Connect {
+                            uri: uri.to_string(),
+                            source,
+                        })?;
+                tune_tcp(&stream).map_err(|source| Error::Connect {
+                    uri: uri.to_string(),
+                    source,
+                })?;
+                let info = negotiate(uri, &mut stream).await?;
+                let std = stream.into_std().map_err(|source| Error::Connect {
+                    uri: uri.to_string(),
+                    source,
+                })?;
+                Ok((info, blocking(std.into())?))
+            }
+            Endpoint::Unix { socket } => {
+                let mut stream =
+                    UnixStream::connect(socket)
+                        .await
+                        .map_err(|source| Error::Connect {
+                            uri: uri.to_string(),
+                            source,
+                        })?;
+                let info = negotiate(uri, &mut stream).await?;
+                let std = stream.into_std().map_err(|source| Error::Connect {
+                    uri: uri.to_string(),
+                    source,
+                })?;
+                Ok((info, blocking(std.into())?))
+            }
+        }
+    };
+    tokio::time::timeout(deadline, attempt)
+        .await
+        .map_err(|_| Error::DialTimeout {
+            uri: uri.to_string(),
+            deadline,
+        })?
+}
+
+async fn negotiate<S>(uri: &NbdUri, stream: &mut S) -> Result<ExportInfo, Error>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    handshake::negotiate(stream, uri.export())
+        .await
+        .map_err(|source| Error::Handshake {
+            uri: uri.to_string(),
+            source,
+        })
+}
+
+/// Requests are small and latency-bound, and a silently cut network must surface as a dead
+/// link (so it gets healed) rather than a hang: no Nagle, and keepalive probes.
+fn tune_tcp(stream: &TcpStream) -> std::io::Result<()> {
+    stream.set_nodelay(true)?;
+    let keepalive = TcpKeepalive::new()
+        .with_time(Duration::from_secs(10))
+        .with_interval(Duration::from_secs(5))
+        .with_retries(3);
+    SockRef::from(stream).set_tcp_keepalive(&keepalive)
+}
+
+/// The kernel drives the socket itself; clear the O_NONBLOCK tokio set so the file the kernel
+/// inherits behaves like the one nbd-client hands over.
+fn blocking(fd: OwnedFd) -> Result<OwnedFd, Error> {
+    SockRef::from(&fd)
+        .set_nonblocking(false)
+        .map_err(|e| Error::Internal(format!("clearing O_NONBLOCK: {e}")))?;
+    Ok(fd)
+}

@@ -1,0 +1,22 @@
+//! Attaching NBD exports to `/dev/nbdN` by speaking to the kernel directly.
+//!
+//! - [`uri`]: NBD URIs (`nbd://`, `nbd+unix://`).
+//! - [`handshake`] and [`dial`]: the user-space half of the protocol, up to transmission.
+//! - [`netlink`]: the kernel's `nbd` generic-netlink family (CONNECT, DISCONNECT, RECONFIGURE,
+//!   STATUS, LINK_DEAD).
+//! - [`sysfs`]: what `/sys/block/nbdN` says, and the proof that a device is ours.
+//! - [`attach`]: the sequences built from those, shared by the daemon and `nbdctl`.
+
+pub mod attach;
+pub mod dial;
+mod error;
+pub mod handshake;
+pub mod identity;
+pub mod netlink;
+pub mod protocol;
+pub mod sysfs;
+pub mod uri;
+
+pub use error::Error;
+pub use identity::{BackendId, DeviceIndex};
+pub use uri::NbdUri;

@@ -1,0 +1,251 @@
+//! A connection to the kernel's `nbd` generic-netlink family.
+//!
+//! Requests are sent from this process, which must own the socket descriptors they name: the
+//! kernel resolves `NBD_SOCK_FD` in the sender's descriptor table and takes its own reference,
+//! so callers close their copies once the request is acknowledged.
+
+use std::time::{Duration, Instant};
+
+use neli::consts::nl::{NlmF, NlmsgerrAttr};
+use neli::consts::socket::NlFamily;
+use neli::err::RouterError;
+use neli::genl::Genlmsghdr;
+use neli::nl::NlPayload;
+use neli::router::asynchronous::{NlRouter, NlRouterReceiverHandle};
+use neli::utils::Groups;
+
+use super::consts::{NbdCmd, FAMILY_NAME, MCAST_GROUP};
+use super::message::{self, ConnectRequest, DeviceStatus, NbdMessage, ReconfigureRequest};
+use crate::identity::DeviceIndex;
+use crate::sysfs::ProvenDevice;
+use crate::Error;
+
+/// How long CONNECT keeps retrying a device that is busy (udev or blkid holding it open) or
+/// still going down after a previous disconnect.
+const CONNECT_RETRY_FOR: Duration = Duration::from_secs(10);
+
+/// A netlink socket bound to the `nbd` family. Cheap to share behind an `Arc`.
+pub struct NbdNetlink {
+    router: NlRouter,
+    family: u16,
+}
+
+impl std::fmt::Debug for NbdNetlink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NbdNetlink")
+            .field("family", &self.family)
+            .finish_non_exhaustive()
+    }
+}
+
+impl NbdNetlink {
+    /// Opens a socket and resolves the family. Fails with [`Error::ModuleNotLoaded`] when the
+    /// kernel has no `nbd` family (module not loaded on kernels before 6.6, which do not
+    /// autoload it on lookup).
+    pub async fn open() -> Result<Self, Error> {
+        let (router, _multicast) = NlRouter::connect(NlFamily::Generic, None, Groups::empty())
+            .await
+            .map_err(|e| Error::NetlinkSocket(e.to_string()))?;
+        router
+            .enable_ext_ack(true)
+            .map_err(|e| Error::NetlinkSocket(e.to_string()))?;
+        let family = resolve_family(&router).await?;
+        Ok(Self { router, family })
+    }
+
+    /// Attaches the given sockets to a device and returns its index. Retries, with back-off, a
+    /// device that is busy or still going down.
+    pub async fn connect(&self, req: &ConnectRequest<'_>) -> Result<DeviceIndex, Error> {
+        let msg = message::connect(req).map_err(|detail| Error::BadReply {
+            op: "CONNECT",
+            detail,
+        })?;
+        let device = req
+            .index
+            .map_or_else(|| "any free device".into(), |i| i.to_string());
+        let started = Instant::now();
+        let mut pause = Duration::from_millis(20);
+        loop {
+            match self.request("CONNECT", &device, msg.clone()).await {
+                Ok(replies) => {
+                    let reply = replies.first().ok_or_else(|| Error::BadReply {
+                        op: "CONNECT",
+                        detail: "acknowledged without a reply carrying the index".into(),
+                    })?;
+                    return message::parse_index(reply).map_err(|detail| Error::BadReply {
+                        op: "CONNECT",
+                        detail,
+                    });
+                }
+                Err(e)
+                    if retryable_connect(&e, req.index.is_some())
+                        && started.elapsed() < CONNECT_RETRY_FOR =>
+                {
+                    tracing::debug!(%device, error = %e, ?pause, "CONNECT refused for now; retrying");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_millis(500));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Replaces dead connections of a device. The kernel checks that `identifier` matches the
+    /// one the device was connected with, so this cannot act on another attachment's device.
+    pub async fn reconfigure(&self, req: &ReconfigureRequest<'_>) -> Result<(), Error> {
+        let msg = message::reconfigure(req).map_err(|detail| Error::BadReply {
+            op: "RECONFIGURE",
+            detail,
+        })?;
+        self.request("RECONFIGURE", &req.index.to_string(), msg)
+            .await
+            .map(drop)
+    }
+
+    /// Disconnects a device whose identity has been proven. I/O still in flight fails with
+    /// EIO, so callers unmount and flush first.
+    pub async fn disconnect(&self, device: &ProvenDevice) -> Result<(), Error> {
+        let index = device.index();
+        let msg = message::disconnect(index).map_err(|detail| Error::BadReply {
+            op: "DISCONNECT",
+            detail,
+        })?;
+        self.request("DISCONNECT", &index.to_string(), msg)
+            .await
+            .map(drop)
+    }
+
+    /// Status of one device, or of all devices the driver knows.
+    pub async fn status(&self, index: Option<DeviceIndex>) -> Result<Vec<DeviceStatus>, Error> {
+        let msg = message::status(index).map_err(|detail| Error::BadReply {
+            op: "STATUS",
+            detail,
+        })?;
+        let device = index.map_or_else(|| "all devices".into(), |i| i.to_string());
+        let replies = self.request("STATUS", &device, msg).await?;
+        let mut all = Vec::new();
+        for reply in &replies {
+            all.extend(
+                message::parse_status(reply).map_err(|detail| Error::BadReply {
+                    op: "STATUS",
+                    detail,
+                })?,
+            );
+        }
+        Ok(all)
+    }
+
+    async fn request(
+        &self,
+        op: &'static str,
+        device: &str,
+        msg: NbdMessage,
+    ) -> Result<Vec<NbdMessage>, Error> {
+        let mut recv: NlRouterReceiverHandle<u16, NbdMessage> = self
+            .router
+            .send(self.family, NlmF::ACK, NlPayload::Payload(msg))
+            .await
+            .map_err(|e| Error::NetlinkSocket(format!("sending {op}: {e}")))?;
+        let mut replies = Vec::new();
+        while let Some(next) = recv.next::<u16, NbdMessage>().await {
+            match next {
+                Ok(m) => {
+                    if let Some(payload) = m.get_payload() {
+                        replies.push(payload.clone());
+                    }
+                }
+                Err(RouterError::Nlmsgerr(e)) => {
+                    let message = e
+                        .ext_ack()
+                        .get_attr_handle()
+                        .get_attr_payload_as_with_len::<String>(NlmsgerrAttr::Msg)
+                        .unwrap_or_default();
+                    return Err(Error::Kernel {
+                        op,
+                        device: device.to_owned(),
+                        errno: -*e.error(),
+                        message,
+                    });
+                }
+                Err(e) => return Err(Error::NetlinkSocket(format!("{op} reply: {e}"))),
+            }
+        }
+        Ok(replies)
+    }
+}
+
+fn retryable_connect(e: &Error, explicit_index: bool) -> bool {
+    match e.errno() {
+        Some(libc::EBUSY) => true,
+        // With an explicit index, EINVAL is "device going down" after DESTROY_ON_DISCONNECT.
+        Some(libc::EINVAL) => explicit_index,
+        _ => false,
+    }
+}
+
+async fn resolve_family(router: &NlRouter) -> Result<u16, Error> {
+    router
+        .resolve_genl_family(FAMILY_NAME)
+        .await
+        .map_err(|e| match e {
+            RouterError::Nlmsgerr(ref m) if -*m.error() == libc::ENOENT => Error::ModuleNotLoaded,
+            RouterError::Msg(_) => Error::ModuleNotLoaded,
+            other => Error::NetlinkSocket(format!("resolving family {FAMILY_NAME:?}: {other}")),
+        })
+}
+
+/// `NBD_CMD_LINK_DEAD` announcements: a device lost a connection and its I/O now waits for
+/// RECONFIGURE, up to its dead-connection timeout.
+pub struct LinkDeadEvents {
+    _router: NlRouter,
+    multicast: NlRouterReceiverHandle<u16, Genlmsghdr<u8, u16>>,
+}
+
+impl std::fmt::Debug for LinkDeadEvents {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LinkDeadEvents").finish_non_exhaustive()
+    }
+}
+
+impl LinkDeadEvents {
+    /// Joins the family's multicast group. Only events after this call are seen.
+    pub async fn subscribe() -> Result<Self, Error> {
+        let (router, multicast) = NlRouter::connect(NlFamily::Generic, None, Groups::empty())
+            .await
+            .map_err(|e| Error::NetlinkSocket(e.to_string()))?;
+        resolve_family(&router).await?;
+        let group = router
+            .resolve_nl_mcast_group(FAMILY_NAME, MCAST_GROUP)
+            .await
+            .map_err(|e| Error::NetlinkSocket(format!("resolving {MCAST_GROUP:?}: {e}")))?;
+        router
+            .add_mcast_membership(Groups::new_groups(&[group]))
+            .map_err(|e| Error::NetlinkSocket(format!("joining {MCAST_GROUP:?}: {e}")))?;
+        Ok(Self {
+            _router: router,
+            multicast,
+        })
+    }
+
+    /// The next device whose link died. `None` when the socket is closed.
+    pub async fn next(&mut self) -> Option<Result<DeviceIndex, Error>> {
+        loop {
+            let msg = match self.multicast.next::<u16, NbdMessage>().await? {
+                Ok(m) => m,
+                Err(e) => return Some(Err(Error::NetlinkSocket(format!("LINK_DEAD stream: {e}")))),
+            };
+            let Some(payload) = msg.get_payload() else {
+                continue;
+            };
+            if *payload.cmd() != NbdCmd::LinkDead {
+                continue;
+            }
+            return Some(
+                message::parse_index(payload).map_err(|detail| Error::BadReply {
+                    op: "LINK_DEAD",
+                    detail,
+                }),
+            );
+        }
+    }
+}
