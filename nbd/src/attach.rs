@@ -66,7 +66,7 @@ pub async fn attach(
 ) -> Result<Attached, Error> {
     let dialed = dial::dial(uri, &opts.dial).await?;
     let block_size = kernel_block_size(&dialed.info, opts.block_size)?;
-    let index = connect(nl, opts, &dialed.info, block_size, &dialed.sockets).await?;
+    let index = connect(nl, sysfs, opts, &dialed.info, block_size, &dialed.sockets).await?;
     let connections = dialed.sockets.len();
     // The kernel holds its own references now; ours would only keep sockets of a failed
     // device alive.
@@ -89,15 +89,20 @@ pub async fn attach(
     }
 }
 
+/// How long CONNECT keeps retrying a device that is transiently busy (udev or blkid holding
+/// it open) or still going down after a previous disconnect.
+const CONNECT_RETRY_FOR: Duration = Duration::from_secs(10);
+
 async fn connect(
     nl: &NbdNetlink,
+    sysfs: &Sysfs,
     opts: &AttachOptions,
     info: &ExportInfo,
     block_size: u64,
     sockets: &[OwnedFd],
 ) -> Result<DeviceIndex, Error> {
     let borrowed: Vec<_> = sockets.iter().map(|s| s.as_fd()).collect();
-    nl.connect(&ConnectRequest {
+    let request = ConnectRequest {
         index: opts.index,
         size_bytes: info.size,
         block_size,
@@ -107,8 +112,33 @@ async fn connect(
         client_flags: 0,
         identifier: &opts.identifier,
         sockets: &borrowed,
-    })
-    .await
+    };
+    let started = Instant::now();
+    let mut pause = Duration::from_millis(20);
+    loop {
+        match nl.connect(&request).await {
+            Err(e) if transient(sysfs, &e, opts.index) && started.elapsed() < CONNECT_RETRY_FOR => {
+                tracing::debug!(error = %e, ?pause, "CONNECT refused for now; retrying");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_millis(500));
+            }
+            result => return result,
+        }
+    }
+}
+
+/// Whether a refused CONNECT may succeed if retried. Only an explicit index can be refused
+/// (for "any", the kernel moves on to another device by itself). EBUSY on a device that
+/// carries a backend identifier means it is configured, by us or someone else: final.
+fn transient(sysfs: &Sysfs, e: &Error, index: Option<DeviceIndex>) -> bool {
+    let Some(index) = index else {
+        return false;
+    };
+    match e.errno() {
+        Some(libc::EBUSY) => matches!(sysfs.backend(index), Ok(None)),
+        Some(libc::EINVAL) => true,
+        _ => false,
+    }
 }
 
 async fn settle(

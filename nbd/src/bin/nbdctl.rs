@@ -60,13 +60,18 @@ enum Command {
         #[arg(long)]
         id: BackendId,
     },
-    /// List NBD devices with their state and identifier.
-    List,
+    /// List NBD devices in use, with their state and identifier.
+    List {
+        /// Also list devices that are free.
+        #[arg(long)]
+        all: bool,
+    },
     /// Print LINK_DEAD events as they arrive.
     Watch,
 }
 
-#[tokio::main]
+// One short-lived command: a single-threaded runtime starts faster than a thread pool.
+#[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -125,7 +130,7 @@ async fn main() -> Result<()> {
             let nl = NbdNetlink::open().await?;
             attach::detach(&nl, &sysfs, device, &id, Duration::from_secs(10)).await?;
         }
-        Command::List => {
+        Command::List { all } => {
             let nl = NbdNetlink::open().await?;
             println!(
                 "{:<12} {:<9} {:>12}  BACKEND",
@@ -133,7 +138,11 @@ async fn main() -> Result<()> {
             );
             for status in nl.status(None).await.context("STATUS")? {
                 let index = status.index;
-                let backend = sysfs.backend(index)?.unwrap_or_else(|| "-".into());
+                let backend = sysfs.backend(index)?;
+                if !all && !status.connected && backend.is_none() {
+                    continue;
+                }
+                let backend = backend.unwrap_or_else(|| "-".into());
                 let size = sysfs.size_bytes(index).unwrap_or(0);
                 println!(
                     "{:<12} {:<9} {:>12}  {}",

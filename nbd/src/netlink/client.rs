@@ -4,8 +4,6 @@
 //! kernel resolves `NBD_SOCK_FD` in the sender's descriptor table and takes its own reference,
 //! so callers close their copies once the request is acknowledged.
 
-use std::time::{Duration, Instant};
-
 use neli::consts::nl::{NlmF, NlmsgerrAttr};
 use neli::consts::socket::NlFamily;
 use neli::err::RouterError;
@@ -19,10 +17,6 @@ use super::message::{self, ConnectRequest, DeviceStatus, NbdMessage, Reconfigure
 use crate::identity::DeviceIndex;
 use crate::sysfs::ProvenDevice;
 use crate::Error;
-
-/// How long CONNECT keeps retrying a device that is busy (udev or blkid holding it open) or
-/// still going down after a previous disconnect.
-const CONNECT_RETRY_FOR: Duration = Duration::from_secs(10);
 
 /// A netlink socket bound to the `nbd` family. Cheap to share behind an `Arc`.
 pub struct NbdNetlink {
@@ -53,8 +47,9 @@ impl NbdNetlink {
         Ok(Self { router, family })
     }
 
-    /// Attaches the given sockets to a device and returns its index. Retries, with back-off, a
-    /// device that is busy or still going down.
+    /// Attaches the given sockets to a device and returns its index. One attempt: EBUSY
+    /// (device held open, or configured) and EINVAL on an explicit index (device still going
+    /// down) are for the caller to judge and retry; see [`crate::attach`].
     pub async fn connect(&self, req: &ConnectRequest<'_>) -> Result<DeviceIndex, Error> {
         let msg = message::connect(req).map_err(|detail| Error::BadReply {
             op: "CONNECT",
@@ -63,31 +58,15 @@ impl NbdNetlink {
         let device = req
             .index
             .map_or_else(|| "any free device".into(), |i| i.to_string());
-        let started = Instant::now();
-        let mut pause = Duration::from_millis(20);
-        loop {
-            match self.request("CONNECT", &device, msg.clone()).await {
-                Ok(replies) => {
-                    let reply = replies.first().ok_or_else(|| Error::BadReply {
-                        op: "CONNECT",
-                        detail: "acknowledged without a reply carrying the index".into(),
-                    })?;
-                    return message::parse_index(reply).map_err(|detail| Error::BadReply {
-                        op: "CONNECT",
-                        detail,
-                    });
-                }
-                Err(e)
-                    if retryable_connect(&e, req.index.is_some())
-                        && started.elapsed() < CONNECT_RETRY_FOR =>
-                {
-                    tracing::debug!(%device, error = %e, ?pause, "CONNECT refused for now; retrying");
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(Duration::from_millis(500));
-                }
-                Err(e) => return Err(e),
-            }
-        }
+        let replies = self.request("CONNECT", &device, msg).await?;
+        let reply = replies.first().ok_or_else(|| Error::BadReply {
+            op: "CONNECT",
+            detail: "acknowledged without a reply carrying the index".into(),
+        })?;
+        message::parse_index(reply).map_err(|detail| Error::BadReply {
+            op: "CONNECT",
+            detail,
+        })
     }
 
     /// Replaces dead connections of a device. The kernel checks that `identifier` matches the
@@ -171,15 +150,6 @@ impl NbdNetlink {
             }
         }
         Ok(replies)
-    }
-}
-
-fn retryable_connect(e: &Error, explicit_index: bool) -> bool {
-    match e.errno() {
-        Some(libc::EBUSY) => true,
-        // With an explicit index, EINVAL is "device going down" after DESTROY_ON_DISCONNECT.
-        Some(libc::EINVAL) => explicit_index,
-        _ => false,
     }
 }
 

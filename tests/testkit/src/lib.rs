@@ -1,0 +1,10 @@
+//! Support for tests that need real NBD servers and real block devices.
+//!
+//! Servers are real processes (nbdkit, qemu-nbd) on loopback or unix sockets: they can be killed
+//! and restarted at the same address to test link loss, which no in-process fake could show.
+
+mod direct;
+mod server;
+
+pub use direct::{pattern, AlignedBuf, DirectFile};
+pub use server::{Listen, NbdServer, ServerKind};
