@@ -114,6 +114,16 @@ pub fn make_filesystem(device: &Path, fs: Filesystem) -> Result<(), Error> {
     run(tool, Command::new(tool).args(args).arg(device), device)
 }
 
+/// Formats again after an interrupted format. Only for a device the caller itself found
+/// blank and whose formatting did not finish: the partial filesystem holds nothing.
+pub fn redo_interrupted_format(device: &Path, fs: Filesystem) -> Result<(), Error> {
+    let (tool, args): (&'static str, &[&str]) = match fs {
+        Filesystem::Ext4 => ("mkfs.ext4", &["-q", "-F"]),
+        Filesystem::Xfs => ("mkfs.xfs", &["-q", "-f"]),
+    };
+    run(tool, Command::new(tool).args(args).arg(device), device)
+}
+
 /// Grows the filesystem to the size of its device. ext4 grows through the device, xfs only
 /// through its mount point; both are online and a no-op when there is nothing to grow.
 pub fn grow(fs: Filesystem, device: &Path, mount_point: &Path) -> Result<(), Error> {

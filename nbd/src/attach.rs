@@ -3,7 +3,7 @@
 use std::os::fd::{AsFd, OwnedFd};
 use std::time::{Duration, Instant};
 
-use crate::dial::{self, DialOptions};
+use crate::dial::{self, DialOptions, Dialed};
 use crate::handshake::ExportInfo;
 use crate::identity::{BackendId, DeviceIndex};
 use crate::netlink::{ConnectRequest, NbdNetlink, ReconfigureRequest};
@@ -48,11 +48,14 @@ impl AttachOptions {
 }
 
 /// An attached export.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Attached {
     pub device: ProvenDevice,
     pub info: ExportInfo,
-    pub connections: usize,
+    /// Our copies of the sockets handed to the kernel, one per connection. The kernel holds
+    /// its own references: dropping these does not touch the device. Callers read what they
+    /// need (addresses) and drop them.
+    pub sockets: Vec<OwnedFd>,
 }
 
 /// Dials the export, hands the sockets to the kernel, waits for the device, and proves it
@@ -65,20 +68,28 @@ pub async fn attach(
     opts: &AttachOptions,
 ) -> Result<Attached, Error> {
     let dialed = dial::dial(uri, &opts.dial).await?;
+    attach_dialed(nl, sysfs, dialed, opts).await
+}
+
+/// [`attach`] for sockets already dialed: for callers that record something about the
+/// connections (their addresses) before the kernel gets them.
+pub async fn attach_dialed(
+    nl: &NbdNetlink,
+    sysfs: &Sysfs,
+    dialed: Dialed,
+    opts: &AttachOptions,
+) -> Result<Attached, Error> {
     let block_size = kernel_block_size(&dialed.info, opts.block_size)?;
     let index = connect(nl, sysfs, opts, &dialed.info, block_size, &dialed.sockets).await?;
-    let connections = dialed.sockets.len();
-    // The kernel holds its own references now; ours would only keep sockets of a failed
-    // device alive.
-    drop(dialed.sockets);
-
     match settle(sysfs, index, &dialed.info, opts).await {
         Ok(device) => Ok(Attached {
             device,
             info: dialed.info,
-            connections,
+            sockets: dialed.sockets,
         }),
         Err(e) => {
+            // Our copies would only keep the sockets of a failed device alive.
+            drop(dialed.sockets);
             if let Ok(device) = sysfs.prove(index, &opts.identifier) {
                 if let Err(undo) = nl.disconnect(&device).await {
                     tracing::warn!(%index, error = %undo, "could not undo a failed attach");
@@ -158,14 +169,25 @@ async fn settle(
 }
 
 /// Redials the export and gives the device fresh sockets under its own identifier. The
-/// kernel puts them into dead slots only, so live connections are left alone.
+/// kernel puts them into dead slots only, in order, and drops the rest, so live connections
+/// are left alone. Returns our copies of the new sockets (see [`Attached::sockets`]).
 pub async fn reconnect(
     nl: &NbdNetlink,
     uri: &NbdUri,
     device: &ProvenDevice,
     dial_opts: &DialOptions,
-) -> Result<ExportInfo, Error> {
+) -> Result<Dialed, Error> {
     let dialed = dial::dial(uri, dial_opts).await?;
+    reconnect_dialed(nl, device, &dialed).await?;
+    Ok(dialed)
+}
+
+/// [`reconnect`] for sockets already dialed.
+pub async fn reconnect_dialed(
+    nl: &NbdNetlink,
+    device: &ProvenDevice,
+    dialed: &Dialed,
+) -> Result<(), Error> {
     let borrowed: Vec<_> = dialed.sockets.iter().map(|s| s.as_fd()).collect();
     nl.reconfigure(&ReconfigureRequest {
         index: device.index(),
@@ -174,8 +196,7 @@ pub async fn reconnect(
         size_bytes: None,
         dead_conn_timeout: None,
     })
-    .await?;
-    Ok(dialed.info)
+    .await
 }
 
 /// Disconnects the device after proving it carries `identifier`, then waits until the kernel

@@ -63,7 +63,7 @@ pub enum BadBackendId {
     Empty,
     #[error("backend identifier is {0} bytes; at most 255 are allowed")]
     TooLong(usize),
-    #[error("backend identifier {0:?} may contain only ASCII letters, digits and . _ - : /")]
+    #[error("backend identifier {0:?} may contain only ASCII letters, digits and . _ - : / %")]
     BadCharacter(String),
 }
 
@@ -78,7 +78,7 @@ impl BackendId {
         }
         // sysfs shows the value followed by a newline: whitespace or control characters would
         // make two identifiers compare equal after trimming, or one look like another.
-        let allowed = |c: char| c.is_ascii_alphanumeric() || "._-:/".contains(c);
+        let allowed = |c: char| c.is_ascii_alphanumeric() || "._-:/%".contains(c);
         if !id.chars().all(allowed) {
             return Err(BadBackendId::BadCharacter(id));
         }

@@ -14,6 +14,7 @@ pub mod handshake;
 pub mod identity;
 pub mod netlink;
 pub mod protocol;
+pub mod sockdiag;
 pub mod sysfs;
 pub mod uri;
 

@@ -213,7 +213,7 @@ async fn four_connections_to_a_multi_conn_export() {
         .await
         .unwrap();
     assert!(a.info.multi_conn());
-    assert_eq!(a.connections, 4);
+    assert_eq!(a.sockets.len(), 4);
     let log_text = std::fs::read_to_string(&log).unwrap();
     assert_eq!(
         log_text.matches(" Connect export=").count(),

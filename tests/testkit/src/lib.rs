@@ -1,8 +1,10 @@
-//! Support for tests that need real NBD servers and real block devices.
+//! Support for tests that need real NBD servers, real block devices and the real daemons.
 //!
 //! Servers are real processes (nbdkit, qemu-nbd) on loopback or unix sockets: they can be killed
 //! and restarted at the same address to test link loss, which no in-process fake could show.
 
+pub mod csi;
+pub mod daemon;
 mod direct;
 mod server;
 

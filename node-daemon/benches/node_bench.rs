@@ -1,0 +1,263 @@
+//! Node daemon benchmarks, run in the VM by `tests/vm/run --bench`, all in one guest run:
+//!
+//! - attach: NodeStageVolume (block) through the CSI socket vs `nbd-client` on the same export,
+//!   20 runs each, interleaved, medians and ratio;
+//! - restart: daemon start to "ready" (Probe) with 16 and 64 staged volumes;
+//! - footprint: daemon RSS with 64 staged volumes, idle;
+//! - reconnect: from the NBD server's restart to I/O flowing again on a staged volume.
+
+#![allow(clippy::unwrap_used)] // a benchmark stops on the first failure
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use csi_proto::csi::volume_capability::access_mode::Mode;
+use nbd::sysfs::Sysfs;
+use nbd::DeviceIndex;
+use testkit::csi::*;
+use testkit::daemon::NodeDaemon;
+use testkit::{pattern, DirectFile, Listen, NbdServer};
+
+const RUNS: usize = 20;
+const SIZE: u64 = 64 << 20;
+
+fn median(samples: &mut [Duration]) -> Duration {
+    samples.sort();
+    samples[samples.len() / 2]
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn staging(daemon: &NodeDaemon, id: &str) -> PathBuf {
+    let p = daemon.scratch().join(format!("staging/{id}"));
+    std::fs::create_dir_all(&p).unwrap();
+    p
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap()
+}
+
+fn daemon_pid(daemon: &NodeDaemon) -> u32 {
+    let out = Command::new("pidof")
+        .arg("ustor-csi-node")
+        .output()
+        .unwrap();
+    let pids: Vec<u32> = String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect();
+    assert_eq!(pids.len(), 1, "one daemon running for {}", daemon.node_id);
+    pids[0]
+}
+
+async fn attach_latency(server: &NbdServer) {
+    let mut daemon = NodeDaemon::new("bench-attach", "").unwrap();
+    let mut c = daemon.start(None).await;
+    let uri = server.uri().to_string();
+    let nbd::uri::Endpoint::Tcp { port, .. } = server.uri().endpoint().clone() else {
+        unreachable!()
+    };
+    let sysfs = Sysfs::default();
+    let (mut node, mut client) = (Vec::new(), Vec::new());
+    for run in 0..RUNS {
+        let id = format!("lat-{run}");
+        let path = staging(&daemon, &id);
+        let t = Instant::now();
+        c.node
+            .node_stage_volume(stage_request(
+                &id,
+                &path,
+                block_capability(Mode::SingleNodeWriter),
+                &uri,
+            ))
+            .await
+            .unwrap();
+        node.push(t.elapsed());
+        c.node
+            .node_unstage_volume(unstage_request(&id, &path))
+            .await
+            .unwrap();
+
+        // nbd-client on the first free device, timed to "device ready" like NodeStage.
+        let index = sysfs
+            .devices()
+            .unwrap()
+            .into_iter()
+            .find(|i| sysfs.backend(*i).unwrap().is_none() && sysfs.size_bytes(*i).unwrap() == 0)
+            .unwrap_or(DeviceIndex(0));
+        let dev = sysfs.dev_path(index);
+        let t = Instant::now();
+        let out = Command::new("nbd-client")
+            .args(["-N", "bench", "127.0.0.1", &port.to_string()])
+            .arg(&dev)
+            .args(["-b", "512"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        sysfs
+            .wait_ready(index, SIZE, Duration::from_secs(10))
+            .await
+            .unwrap();
+        client.push(t.elapsed());
+        assert!(Command::new("nbd-client")
+            .arg("-d")
+            .arg(&dev)
+            .status()
+            .unwrap()
+            .success());
+        while sysfs.size_bytes(index).unwrap() != 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    let (n, m) = (median(&mut node), median(&mut client));
+    println!("attach, {RUNS} runs each, median (call to device ready):");
+    println!("  NodeStageVolume (block) : {:8.2} ms", ms(n));
+    println!("  nbd-client              : {:8.2} ms", ms(m));
+    println!("  ratio NodeStage / nbd-client : {:.2}", ms(n) / ms(m));
+}
+
+async fn restart_and_footprint(server: &NbdServer) {
+    let uri = server.uri().to_string();
+    for count in [16usize, 64] {
+        let mut daemon = NodeDaemon::new(&format!("bench-restart-{count}"), "").unwrap();
+        let mut c = daemon.start(None).await;
+        let mut paths = Vec::new();
+        for n in 0..count {
+            let id = format!("vol-{n}");
+            let path = staging(&daemon, &id);
+            c.node
+                .node_stage_volume(stage_request(
+                    &id,
+                    &path,
+                    block_capability(Mode::SingleNodeWriter),
+                    &uri,
+                ))
+                .await
+                .unwrap();
+            paths.push((id, path));
+        }
+        let mut ready = Vec::new();
+        for _ in 0..5 {
+            daemon.kill();
+            let t = Instant::now();
+            c = daemon.start(None).await;
+            ready.push(t.elapsed());
+        }
+        // Idle footprint, after the post-restart connection refresh settled.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let rss = rss_kib(daemon_pid(&daemon));
+        println!(
+            "restart with {count} staged volumes: start to ready median {:.1} ms (5 restarts); idle RSS {} KiB",
+            ms(median(&mut ready)),
+            rss
+        );
+        for (id, path) in &paths {
+            c.node
+                .node_unstage_volume(unstage_request(id, path))
+                .await
+                .unwrap();
+        }
+    }
+}
+
+async fn reconnect_time() {
+    let backing = tempfile::NamedTempFile::new().unwrap();
+    backing.as_file().set_len(SIZE).unwrap();
+    let file = format!("file={}", backing.path().display());
+    let mut server = NbdServer::nbdkit(Listen::Tcp, &["file", &file]).unwrap();
+    let mut daemon = NodeDaemon::new("bench-heal", "io-timeout-secs = 2\n").unwrap();
+    let mut c = daemon.start(None).await;
+    let path = staging(&daemon, "heal");
+    let cap = block_capability(Mode::SingleNodeWriter);
+    c.node
+        .node_stage_volume(stage_request(
+            "heal",
+            &path,
+            cap.clone(),
+            &server.uri().to_string(),
+        ))
+        .await
+        .unwrap();
+    let target = daemon.scratch().join("target");
+    c.node
+        .node_publish_volume(publish_request(
+            "heal",
+            &path,
+            &target,
+            cap,
+            &server.uri().to_string(),
+            false,
+        ))
+        .await
+        .unwrap();
+    let mut samples = Vec::new();
+    for round in 0..5 {
+        let last_write = Arc::new(AtomicU64::new(0));
+        let epoch = Instant::now();
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let writer = {
+            let (target, last_write, stop) =
+                (target.clone(), Arc::clone(&last_write), Arc::clone(&stop));
+            std::thread::spawn(move || {
+                let f = DirectFile::open(&target, true).unwrap();
+                let mut n = 0u64;
+                while !stop.load(Ordering::SeqCst) {
+                    f.write_at(&pattern(round, n * 4096, 4096), (n % 1024) * 4096)
+                        .unwrap();
+                    last_write.store(epoch.elapsed().as_micros() as u64, Ordering::SeqCst);
+                    n += 1;
+                }
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        server.kill();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let restarted = epoch.elapsed();
+        server.start().unwrap();
+        loop {
+            let w = Duration::from_micros(last_write.load(Ordering::SeqCst));
+            if w > restarted {
+                samples.push(w - restarted);
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        stop.store(true, Ordering::SeqCst);
+        writer.join().unwrap();
+    }
+    println!(
+        "reconnect: server restart to the next completed write, median of 5: {:.1} ms (writes failed: 0)",
+        ms(median(&mut samples))
+    );
+    c.node
+        .node_unpublish_volume(unpublish_request("heal", &target))
+        .await
+        .unwrap();
+    c.node
+        .node_unstage_volume(unstage_request("heal", &path))
+        .await
+        .unwrap();
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let server = NbdServer::nbdkit(Listen::Tcp, &["memory", "64M"]).unwrap();
+    attach_latency(&server).await;
+    restart_and_footprint(&server).await;
+    reconnect_time().await;
+}

@@ -1,0 +1,165 @@
+//! Settings: built-in defaults, overridden by an optional TOML file, overridden by flags.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+/// The driver name kubelet and the CO know this plugin by.
+pub const DRIVER_NAME: &str = "ustor-nbd.csi.mindsw.io";
+/// Topology key whose presence on a node says "this node runs the NBD data plane".
+pub const TOPOLOGY_KEY: &str = "topology.ustor-nbd.csi.mindsw.io/data-plane";
+
+pub const DEFAULT_CSI_ENDPOINT: &str =
+    "unix:///var/lib/kubelet/plugins/ustor-nbd.csi.mindsw.io/csi.sock";
+pub const DEFAULT_STATE_DIR: &str = "/var/lib/ustor-csi";
+pub const DEFAULT_REGISTRATION_DIR: &str = "/var/lib/kubelet/plugins_registry";
+pub const DEFAULT_CONFIG: &str = "/etc/ustor-csi/node.toml";
+
+/// The file form: every key optional, names as in the flags.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct FileConfig {
+    pub csi_endpoint: Option<String>,
+    pub state_dir: Option<PathBuf>,
+    pub node_id: Option<String>,
+    pub registration_dir: Option<PathBuf>,
+    pub kubelet_registration: Option<bool>,
+    pub io_timeout_secs: Option<u64>,
+    pub dead_conn_timeout_secs: Option<u64>,
+    pub dial_timeout_secs: Option<u64>,
+    pub max_volumes: Option<i64>,
+}
+
+impl FileConfig {
+    /// Reads `path`; a missing file at the default location is no error.
+    pub fn load(path: &Path, required: bool) -> anyhow::Result<Self> {
+        match std::fs::read_to_string(path) {
+            Ok(text) => {
+                toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && !required => Ok(Self::default()),
+            Err(e) => Err(anyhow::anyhow!("{}: {e}", path.display())),
+        }
+    }
+}
+
+/// Everything the daemon runs with, resolved.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub csi_socket: PathBuf,
+    pub state_dir: PathBuf,
+    pub node_id: String,
+    /// Where kubelet looks for registration sockets; `None` disables self-registration.
+    pub registration_dir: Option<PathBuf>,
+    /// Per-request timeout given to the kernel; a request that exceeds it is requeued on a
+    /// fresh connection (the link is treated as dead and healed).
+    pub io_timeout: Duration,
+    /// How long I/O waits for the healer to replace a dead connection before failing.
+    pub dead_conn_timeout: Duration,
+    /// Bound on connect plus handshake.
+    pub dial_timeout: Duration,
+    /// Reported to the CO; 0 = no limit.
+    pub max_volumes: Option<i64>,
+}
+
+impl Settings {
+    pub fn defaults(node_id: String) -> Self {
+        Self {
+            csi_socket: unix_path(DEFAULT_CSI_ENDPOINT).unwrap_or_default(),
+            state_dir: DEFAULT_STATE_DIR.into(),
+            node_id,
+            registration_dir: Some(DEFAULT_REGISTRATION_DIR.into()),
+            io_timeout: Duration::from_secs(30),
+            dead_conn_timeout: Duration::from_secs(300),
+            dial_timeout: Duration::from_secs(10),
+            max_volumes: None,
+        }
+    }
+
+    pub fn apply_file(&mut self, f: FileConfig) -> anyhow::Result<()> {
+        if let Some(e) = f.csi_endpoint {
+            self.csi_socket = unix_path(&e)?;
+        }
+        if let Some(d) = f.state_dir {
+            self.state_dir = d;
+        }
+        if let Some(n) = f.node_id {
+            self.node_id = n;
+        }
+        if let Some(d) = f.registration_dir {
+            self.registration_dir = Some(d);
+        }
+        if f.kubelet_registration == Some(false) {
+            self.registration_dir = None;
+        }
+        if let Some(s) = f.io_timeout_secs {
+            self.io_timeout = Duration::from_secs(s);
+        }
+        if let Some(s) = f.dead_conn_timeout_secs {
+            self.dead_conn_timeout = Duration::from_secs(s);
+        }
+        if let Some(s) = f.dial_timeout_secs {
+            self.dial_timeout = Duration::from_secs(s);
+        }
+        if f.max_volumes.is_some() {
+            self.max_volumes = f.max_volumes;
+        }
+        Ok(())
+    }
+}
+
+/// `unix:///path` (or a bare absolute path) to the socket path.
+pub fn unix_path(endpoint: &str) -> anyhow::Result<PathBuf> {
+    let path = endpoint.strip_prefix("unix://").unwrap_or(endpoint);
+    anyhow::ensure!(
+        path.starts_with('/'),
+        "CSI endpoint {endpoint:?} must be unix:///absolute/path"
+    );
+    Ok(PathBuf::from(path))
+}
+
+/// The host name, the default node id.
+pub fn host_name() -> String {
+    nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .unwrap_or_else(|| "localhost".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn file_overrides_defaults() {
+        let mut s = Settings::defaults("n".into());
+        let f: FileConfig = toml::from_str(
+            r#"
+            csi-endpoint = "unix:///run/csi/x.sock"
+            dead-conn-timeout-secs = 60
+            kubelet-registration = false
+            "#,
+        )
+        .unwrap();
+        s.apply_file(f).unwrap();
+        assert_eq!(s.csi_socket, Path::new("/run/csi/x.sock"));
+        assert_eq!(s.dead_conn_timeout, Duration::from_secs(60));
+        assert_eq!(s.registration_dir, None);
+        assert_eq!(s.state_dir, Path::new(DEFAULT_STATE_DIR));
+    }
+
+    #[test]
+    fn unknown_keys_and_relative_endpoints_are_refused() {
+        assert!(toml::from_str::<FileConfig>("csi_endpoint = \"x\"").is_err());
+        assert!(unix_path("unix://relative/x.sock").is_err());
+        assert!(unix_path("tcp://0.0.0.0:1").is_err());
+        assert_eq!(unix_path("/a.sock").unwrap(), Path::new("/a.sock"));
+    }
+
+    #[test]
+    fn missing_default_file_is_fine_missing_named_file_is_not() {
+        assert!(FileConfig::load(Path::new("/nonexistent/node.toml"), false).is_ok());
+        assert!(FileConfig::load(Path::new("/nonexistent/node.toml"), true).is_err());
+    }
+}

@@ -1,0 +1,307 @@
+//! The attachment journal: one JSON file per volume under `<state-dir>/volumes/`.
+//!
+//! A record is replaced atomically: written to a temporary file, fsync'd, renamed over the old
+//! one, and the directory fsync'd, so after a crash the file is either the old record or the
+//! new one, never a mix. Records that cannot be read are moved to `<state-dir>/quarantine/`
+//! with an error, never deleted and never trusted.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use crate::error::NodeError;
+use crate::ids::{digest, encode};
+use crate::record::{Record, SCHEMA};
+
+#[derive(Debug, Clone)]
+pub struct Journal {
+    dir: PathBuf,
+    quarantine: PathBuf,
+}
+
+/// What loading the journal found.
+#[derive(Debug, Default)]
+pub struct Loaded {
+    pub records: Vec<Record>,
+    /// Files moved aside, with the reason.
+    pub quarantined: Vec<(PathBuf, String)>,
+}
+
+const SUFFIX: &str = ".json";
+const TMP_PREFIX: &str = ".tmp.";
+
+impl Journal {
+    /// Opens (creating, root-only) the journal under `state_dir`.
+    pub fn open(state_dir: &Path) -> Result<Self, NodeError> {
+        let journal = Self {
+            dir: state_dir.join("volumes"),
+            quarantine: state_dir.join("quarantine"),
+        };
+        for d in [state_dir, &journal.dir, &journal.quarantine] {
+            fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(d)
+                .map_err(|e| io(d, "creating", e))?;
+        }
+        Ok(journal)
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    fn path_for(&self, volume_id: &str) -> PathBuf {
+        let mut name = encode(volume_id);
+        // NAME_MAX is 255 bytes; keep room for the temporary prefix.
+        if name.len() + SUFFIX.len() + TMP_PREFIX.len() > 250 {
+            name = format!("h.{}", digest(volume_id));
+        }
+        self.dir.join(name + SUFFIX)
+    }
+
+    /// Durably replaces the record of `record.volume_id`.
+    pub fn write(&self, record: &Record) -> Result<(), NodeError> {
+        let path = self.path_for(&record.volume_id);
+        let file_name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default();
+        let tmp = self.dir.join(format!("{TMP_PREFIX}{file_name}"));
+        let json = serde_json::to_vec_pretty(record)
+            .map_err(|e| NodeError::Journal(format!("encoding: {e}")))?;
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)
+            .map_err(|e| io(&tmp, "creating", e))?;
+        f.write_all(&json).map_err(|e| io(&tmp, "writing", e))?;
+        f.sync_all().map_err(|e| io(&tmp, "syncing", e))?;
+        drop(f);
+        fail::fail_point!("journal-before-rename");
+        fs::rename(&tmp, &path).map_err(|e| io(&path, "renaming into", e))?;
+        self.sync_dir()
+    }
+
+    /// Durably forgets the record of `volume_id` (no error if there is none).
+    pub fn remove(&self, volume_id: &str) -> Result<(), NodeError> {
+        let path = self.path_for(volume_id);
+        match fs::remove_file(&path) {
+            Ok(()) => self.sync_dir(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(io(&path, "removing", e)),
+        }
+    }
+
+    /// Reads every record. Leftover temporary files (a crash before their rename) are
+    /// discarded: the record they would have replaced is still in place. Unreadable records
+    /// are quarantined. A record of a newer schema stops the load: a downgraded daemon must
+    /// not guess at it.
+    pub fn load(&self) -> Result<Loaded, NodeError> {
+        let mut loaded = Loaded::default();
+        let entries = fs::read_dir(&self.dir).map_err(|e| io(&self.dir, "reading", e))?;
+        let mut paths: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
+        paths.sort();
+        for path in paths {
+            let name = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .unwrap_or_default()
+                .to_owned();
+            if name.starts_with(TMP_PREFIX) {
+                tracing::info!(path = %path.display(), "discarding an unfinished journal write");
+                fs::remove_file(&path).map_err(|e| io(&path, "removing", e))?;
+                continue;
+            }
+            if !name.ends_with(SUFFIX) {
+                continue;
+            }
+            match read_record(&path) {
+                Ok(r) if r.schema > SCHEMA => {
+                    return Err(NodeError::Journal(format!(
+                        "{} has schema {}, newer than this daemon's {SCHEMA}: refusing to guess",
+                        path.display(),
+                        r.schema
+                    )))
+                }
+                Ok(r) if self.path_for(&r.volume_id) != path => {
+                    let reason = format!(
+                        "names volume {:?}, which belongs in another file",
+                        r.volume_id
+                    );
+                    loaded
+                        .quarantined
+                        .push((self.quarantine_file(&path)?, reason));
+                }
+                Ok(r) => loaded.records.push(r),
+                Err(reason) => {
+                    let moved = self.quarantine_file(&path)?;
+                    tracing::error!(path = %path.display(), quarantined = %moved.display(), %reason, "unreadable journal record");
+                    loaded.quarantined.push((moved, reason));
+                }
+            }
+        }
+        if !loaded.quarantined.is_empty() {
+            self.sync_dir()?;
+        }
+        Ok(loaded)
+    }
+
+    /// Reads records without changing anything on disk (for `ustor-csi-node status`, which
+    /// may run beside the daemon). Unreadable files are reported, not moved.
+    pub fn peek(state_dir: &Path) -> Result<Loaded, NodeError> {
+        let dir = state_dir.join("volumes");
+        let mut loaded = Loaded::default();
+        let entries = match fs::read_dir(&dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(loaded),
+            Err(e) => return Err(io(&dir, "reading", e)),
+        };
+        let mut paths: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
+        paths.sort();
+        for path in paths {
+            let name = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .unwrap_or_default();
+            if name.starts_with(TMP_PREFIX) || !name.ends_with(SUFFIX) {
+                continue;
+            }
+            match read_record(&path) {
+                Ok(r) => loaded.records.push(r),
+                Err(reason) => loaded.quarantined.push((path, reason)),
+            }
+        }
+        Ok(loaded)
+    }
+
+    fn quarantine_file(&self, path: &Path) -> Result<PathBuf, NodeError> {
+        let stamp = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or_default();
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or("record");
+        let target = self.quarantine.join(format!("{name}.{stamp}"));
+        fs::rename(path, &target).map_err(|e| io(&target, "quarantining into", e))?;
+        Ok(target)
+    }
+
+    fn sync_dir(&self) -> Result<(), NodeError> {
+        File::open(&self.dir)
+            .and_then(|d| d.sync_all())
+            .map_err(|e| io(&self.dir, "syncing", e))
+    }
+}
+
+fn read_record(path: &Path) -> Result<Record, String> {
+    let bytes = fs::read(path).map_err(|e| format!("read failed: {e}"))?;
+    serde_json::from_slice(&bytes).map_err(|e| format!("not a valid record: {e}"))
+}
+
+fn io(path: &Path, what: &str, e: std::io::Error) -> NodeError {
+    NodeError::Journal(format!("{what} {}: {e}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::record::{Access, AccessMode, Phase};
+
+    fn record(volume: &str) -> Record {
+        Record {
+            schema: SCHEMA,
+            volume_id: volume.into(),
+            identifier: format!("ustor:n:{volume}:01"),
+            export: None,
+            device: Some(1),
+            staging_path: Some("/s".into()),
+            access: Access::Block,
+            mode: AccessMode::SingleNodeWriter,
+            phase: Phase::Staged,
+            size_bytes: None,
+            targets: BTreeMap::new(),
+            tcp: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn write_replace_remove() {
+        let dir = tempfile::tempdir().unwrap();
+        let j = Journal::open(dir.path()).unwrap();
+        let mut r = record("pool/vol 1");
+        j.write(&r).unwrap();
+        r.phase = Phase::Unstaging;
+        j.write(&r).unwrap();
+        let loaded = j.load().unwrap();
+        assert_eq!(loaded.records, vec![r.clone()]);
+        j.remove("pool/vol 1").unwrap();
+        j.remove("pool/vol 1").unwrap();
+        assert!(j.load().unwrap().records.is_empty());
+        let mode = fs::metadata(dir.path().join("volumes"))
+            .unwrap()
+            .permissions();
+        assert_eq!(
+            std::os::unix::fs::PermissionsExt::mode(&mode) & 0o777,
+            0o700
+        );
+    }
+
+    #[test]
+    fn torn_and_foreign_records_are_quarantined_not_trusted() {
+        let dir = tempfile::tempdir().unwrap();
+        let j = Journal::open(dir.path()).unwrap();
+        j.write(&record("good")).unwrap();
+        // A torn write: the first half of a valid record.
+        let full = serde_json::to_vec(&record("torn")).unwrap();
+        fs::write(j.path_for("torn"), &full[..full.len() / 2]).unwrap();
+        // A valid record in the wrong file.
+        fs::write(
+            j.path_for("elsewhere"),
+            serde_json::to_vec(&record("other")).unwrap(),
+        )
+        .unwrap();
+        // A crash between writing the temporary file and renaming it.
+        fs::write(j.dir.join(".tmp.good.json"), b"{partial").unwrap();
+
+        let loaded = j.load().unwrap();
+        assert_eq!(loaded.records.len(), 1);
+        assert_eq!(loaded.records[0].volume_id, "good");
+        assert_eq!(loaded.quarantined.len(), 2);
+        for (moved, _) in &loaded.quarantined {
+            assert!(moved.starts_with(dir.path().join("quarantine")) && moved.exists());
+        }
+        assert!(!j.dir.join(".tmp.good.json").exists());
+        assert_eq!(
+            j.load().unwrap().records.len(),
+            1,
+            "a second load finds the same"
+        );
+    }
+
+    #[test]
+    fn newer_schema_stops_the_load() {
+        let dir = tempfile::tempdir().unwrap();
+        let j = Journal::open(dir.path()).unwrap();
+        let mut r = record("v");
+        r.schema = SCHEMA + 1;
+        j.write(&r).unwrap();
+        assert!(matches!(j.load(), Err(NodeError::Journal(m)) if m.contains("newer")));
+    }
+
+    #[test]
+    fn long_volume_ids_get_short_file_names() {
+        let dir = tempfile::tempdir().unwrap();
+        let j = Journal::open(dir.path()).unwrap();
+        let long = "ж".repeat(64);
+        j.write(&record(&long)).unwrap();
+        assert_eq!(j.load().unwrap().records[0].volume_id, long);
+    }
+}

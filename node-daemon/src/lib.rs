@@ -1,0 +1,25 @@
+//! `ustor-csi-node`: the host service that attaches NBD exports for kubelet.
+//!
+//! - [`service`]: the gRPC surface (CSI Identity and Node, kubelet registration).
+//! - [`request`]: validation at that surface.
+//! - [`node`] and [`volumes`]: the operations, journaled step by step in [`journal`].
+//! - [`recovery`]: start-up reconciliation of journal, kernel and mounts.
+//! - [`healer`]: LINK_DEAD → redial → RECONFIGURE.
+//! - [`server`]: sockets, start-up order, shutdown.
+
+pub mod config;
+pub mod connections;
+pub mod error;
+pub mod failpoints;
+pub mod healer;
+pub mod ids;
+pub mod journal;
+pub mod locks;
+pub mod node;
+pub mod record;
+pub mod recovery;
+pub mod request;
+pub mod server;
+pub mod service;
+pub mod status;
+pub mod volumes;

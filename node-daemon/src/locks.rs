@@ -1,0 +1,80 @@
+//! One operation per volume at a time.
+//!
+//! CSI: "the CO is responsible for ensuring that there is no more than one call in-flight per
+//! volume at a given time", but a CO that lost its state may send two; the second waits a
+//! little (the holder may be short background work, such as the healer refreshing the
+//! volume's connections), then gets ABORTED and retries with back-off. The healer waits its
+//! turn instead of failing.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::OwnedMutexGuard;
+
+use crate::error::NodeError;
+
+pub type VolumeGuard = OwnedMutexGuard<()>;
+
+/// How long a CSI call waits for another operation on its volume before ABORTED.
+pub const CALL_PATIENCE: Duration = Duration::from_secs(15);
+
+#[derive(Debug, Default)]
+pub struct VolumeLocks {
+    map: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+impl VolumeLocks {
+    fn entry(&self, volume: &str) -> Arc<tokio::sync::Mutex<()>> {
+        let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        Arc::clone(map.entry(volume.to_owned()).or_default())
+    }
+
+    /// For CSI calls: the lock within `patience`, or ABORTED.
+    pub async fn lock_within(
+        &self,
+        volume: &str,
+        patience: Duration,
+    ) -> Result<VolumeGuard, NodeError> {
+        tokio::time::timeout(patience, self.entry(volume).lock_owned())
+            .await
+            .map_err(|_| NodeError::Busy(volume.to_owned()))
+    }
+
+    /// For background work: waits for the lock.
+    pub async fn lock(&self, volume: &str) -> VolumeGuard {
+        self.entry(volume).lock_owned().await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SHORT: Duration = Duration::from_millis(50);
+
+    #[tokio::test]
+    async fn second_caller_is_aborted_until_the_first_is_done() {
+        let locks = Arc::new(VolumeLocks::default());
+        let first = locks.lock_within("v", SHORT).await.unwrap();
+        assert!(matches!(locks.lock_within("v", SHORT).await, Err(NodeError::Busy(v)) if v == "v"));
+        assert!(
+            locks.lock_within("other", SHORT).await.is_ok(),
+            "volumes are independent"
+        );
+        drop(first);
+        assert!(locks.lock_within("v", SHORT).await.is_ok());
+        let held = locks.lock("v").await;
+        assert!(locks.lock_within("v", SHORT).await.is_err());
+        // A caller that arrives while a short holder finishes gets the lock.
+        let waiter = {
+            let locks = Arc::clone(&locks);
+            tokio::spawn(
+                async move { locks.lock_within("v", Duration::from_secs(5)).await.is_ok() },
+            )
+        };
+        tokio::time::sleep(SHORT).await;
+        drop(held);
+        assert!(waiter.await.unwrap());
+    }
+}

@@ -1,0 +1,135 @@
+//! `ustor-csi-node`: `serve` runs the host service; `status` shows operators which /dev/nbdN
+//! is which volume.
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+use node_daemon::config::{self, FileConfig, Settings};
+use node_daemon::{failpoints, server, status};
+
+#[derive(Debug, Parser)]
+#[command(version, about = "ustor-nbd CSI node service")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, clap::Args)]
+struct Common {
+    /// TOML file with the same settings as the flags (flags win).
+    #[arg(long, env = "USTOR_CSI_CONFIG", default_value = config::DEFAULT_CONFIG)]
+    config: PathBuf,
+    /// Where the attachment journal lives.
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
+    /// This node's id (default: the host name).
+    #[arg(long)]
+    node_id: Option<String>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Serve CSI Identity and Node on a unix socket for kubelet.
+    Serve {
+        #[command(flatten)]
+        common: Common,
+        /// unix:///path of the CSI socket.
+        #[arg(long)]
+        csi_endpoint: Option<String>,
+        /// kubelet's plugins_registry directory.
+        #[arg(long)]
+        registration_dir: Option<PathBuf>,
+        /// Do not register with kubelet (a registrar sidecar does it, or there is no kubelet).
+        #[arg(long)]
+        no_kubelet_registration: bool,
+        /// Seconds I/O waits for a dead connection to be replaced before failing.
+        #[arg(long)]
+        dead_conn_timeout: Option<u64>,
+        /// Log as JSON lines instead of text.
+        #[arg(long)]
+        log_json: bool,
+    },
+    /// Show the volumes this node has attached, their devices and their state.
+    Status {
+        #[command(flatten)]
+        common: Common,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn settings(common: &Common) -> Result<Settings> {
+    let explicit = common.config.as_os_str() != config::DEFAULT_CONFIG;
+    let mut s = Settings::defaults(config::host_name());
+    s.apply_file(FileConfig::load(&common.config, explicit)?)?;
+    if let Some(d) = &common.state_dir {
+        s.state_dir = d.clone();
+    }
+    if let Some(n) = &common.node_id {
+        s.node_id = n.clone();
+    }
+    Ok(s)
+}
+
+fn init_logging(json: bool) {
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    use std::io::IsTerminal;
+    let ansi = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(ansi)
+        .with_writer(std::io::stderr);
+    if json {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().command {
+        Command::Serve {
+            common,
+            csi_endpoint,
+            registration_dir,
+            no_kubelet_registration,
+            dead_conn_timeout,
+            log_json,
+        } => {
+            init_logging(log_json);
+            let armed = failpoints::arm_from_env();
+            if !armed.is_empty() {
+                tracing::warn!(?armed, "crash points armed (test build)");
+            }
+            let mut s = settings(&common)?;
+            if let Some(e) = csi_endpoint {
+                s.csi_socket = config::unix_path(&e)?;
+            }
+            if let Some(d) = registration_dir {
+                s.registration_dir = Some(d);
+            }
+            if no_kubelet_registration {
+                s.registration_dir = None;
+            }
+            if let Some(t) = dead_conn_timeout {
+                s.dead_conn_timeout = std::time::Duration::from_secs(t);
+            }
+            tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()?
+                .block_on(server::run(s))
+        }
+        Command::Status { common, json } => {
+            let s = settings(&common)?;
+            let st = status::collect(&s.state_dir, &s.node_id, &nbd::sysfs::Sysfs::default())?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&st)?);
+            } else {
+                print!("{}", status::render(&st));
+            }
+            Ok(())
+        }
+    }
+}

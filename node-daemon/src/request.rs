@@ -1,0 +1,338 @@
+//! Validation at the gRPC edge: CSI requests become typed values, or an INVALID_ARGUMENT that
+//! names the field and what is wrong with it. Nothing past this module sees raw strings.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use csi_proto::csi::volume_capability::access_mode::Mode;
+use csi_proto::csi::volume_capability::AccessType;
+use csi_proto::csi::VolumeCapability;
+use mounts::{Filesystem, MountOptions};
+use nbd::NbdUri;
+
+use crate::error::NodeError;
+use crate::record::{Access, AccessMode, Export};
+
+/// Context keys this driver reads.
+pub const KEY_NBD_URI: &str = "nbdUri";
+pub const KEY_NBD_CONNECTIONS: &str = "nbdConnections";
+
+/// Key prefixes others put in the volume context, which are accepted and ignored: Kubernetes'
+/// own (`csi.storage.k8s.io/…`, `storage.kubernetes.io/…`) and the controller's.
+const FOREIGN_PREFIXES: &[&str] = &[
+    "csi.storage.k8s.io/",
+    "storage.kubernetes.io/",
+    "ustor.mindsw.io/",
+];
+
+/// A volume capability the node can serve.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Capability {
+    pub access: Access,
+    pub mode: AccessMode,
+}
+
+impl Capability {
+    pub fn filesystem(&self) -> Option<Filesystem> {
+        match &self.access {
+            Access::Mount { fs, .. } => fs.parse().ok(),
+            Access::Block => None,
+        }
+    }
+}
+
+pub fn capability(cap: Option<&VolumeCapability>) -> Result<Capability, NodeError> {
+    let cap = cap.ok_or_else(|| NodeError::invalid("volume_capability is required"))?;
+    let mode = match cap.access_mode.as_ref().map(|m| m.mode()) {
+        Some(Mode::SingleNodeWriter) => AccessMode::SingleNodeWriter,
+        Some(Mode::SingleNodeReaderOnly) => AccessMode::SingleNodeReaderOnly,
+        Some(Mode::SingleNodeSingleWriter) => AccessMode::SingleNodeSingleWriter,
+        Some(Mode::SingleNodeMultiWriter) => AccessMode::SingleNodeMultiWriter,
+        Some(Mode::MultiNodeReaderOnly) => AccessMode::MultiNodeReaderOnly,
+        Some(Mode::MultiNodeSingleWriter) => AccessMode::MultiNodeSingleWriter,
+        Some(Mode::MultiNodeMultiWriter) => AccessMode::MultiNodeMultiWriter,
+        Some(Mode::Unknown) | None => {
+            return Err(NodeError::invalid(
+                "volume_capability.access_mode is required",
+            ))
+        }
+    };
+    let access = match &cap.access_type {
+        None => {
+            return Err(NodeError::invalid(
+                "volume_capability needs access_type block or mount",
+            ))
+        }
+        Some(AccessType::Block(_)) => {
+            if mode == AccessMode::MultiNodeSingleWriter {
+                return Err(NodeError::invalid(
+                    "MULTI_NODE_SINGLE_WRITER is not supported for block volumes: use MULTI_NODE_MULTI_WRITER (ReadWriteMany) for VM live migration",
+                ));
+            }
+            Access::Block
+        }
+        Some(AccessType::Mount(m)) => {
+            if mode.multi_node() {
+                return Err(NodeError::invalid(
+                    "a filesystem volume can be used on one node only: ReadWriteMany and ReadOnlyMany need volumeMode: Block",
+                ));
+            }
+            if !m.volume_mount_group.is_empty() {
+                return Err(NodeError::invalid(
+                    "volume_mount_group is not supported by this driver",
+                ));
+            }
+            let fs = if m.fs_type.is_empty() {
+                "ext4"
+            } else {
+                m.fs_type.as_str()
+            };
+            let fs: Filesystem = fs
+                .parse()
+                .map_err(|e: mounts::Error| NodeError::invalid(format!("fsType: {e}")))?;
+            MountOptions::parse(&m.mount_flags)
+                .map_err(|e| NodeError::invalid(format!("mount flags: {e}")))?;
+            Access::Mount {
+                fs: fs.name().to_owned(),
+                flags: m.mount_flags.clone(),
+            }
+        }
+    };
+    Ok(Capability { access, mode })
+}
+
+/// An absolute path without `.` or `..` components (which could step out of kubelet's tree).
+pub fn abs_path(field: &str, raw: &str) -> Result<PathBuf, NodeError> {
+    if raw.is_empty() {
+        return Err(NodeError::invalid(format!("{field} is required")));
+    }
+    if raw.contains('\0') || raw.len() > 4096 {
+        return Err(NodeError::invalid(format!("{field} is not a usable path")));
+    }
+    let path = Path::new(raw);
+    if !path.is_absolute() {
+        return Err(NodeError::invalid(format!(
+            "{field} {raw:?} must be an absolute path"
+        )));
+    }
+    // Checked on the raw text: `Path::components` silently drops interior `.` segments.
+    if raw
+        .split('/')
+        .any(|segment| segment == "." || segment == "..")
+    {
+        return Err(NodeError::invalid(format!(
+            "{field} {raw:?} must not contain . or .. components"
+        )));
+    }
+    Ok(path.components().collect())
+}
+
+/// The export to attach: `nbdUri` from the publish context, else the volume context.
+pub fn export(
+    publish_context: &HashMap<String, String>,
+    volume_context: &HashMap<String, String>,
+) -> Result<Export, NodeError> {
+    for (name, ctx) in [
+        ("publish_context", publish_context),
+        ("volume_context", volume_context),
+    ] {
+        for key in ctx.keys() {
+            let known = key == KEY_NBD_URI || key == KEY_NBD_CONNECTIONS;
+            if !known && !FOREIGN_PREFIXES.iter().any(|p| key.starts_with(p)) {
+                return Err(NodeError::invalid(format!(
+                    "unknown key {key:?} in {name} (this driver reads {KEY_NBD_URI} and {KEY_NBD_CONNECTIONS})"
+                )));
+            }
+        }
+    }
+    let lookup = |key: &str| publish_context.get(key).or_else(|| volume_context.get(key));
+    let raw = lookup(KEY_NBD_URI).ok_or_else(|| {
+        NodeError::invalid(format!("no {KEY_NBD_URI} in the publish or volume context"))
+    })?;
+    let uri: NbdUri = raw
+        .parse()
+        .map_err(|e| NodeError::invalid(format!("{KEY_NBD_URI} {raw:?}: {e}")))?;
+    let connections = match lookup(KEY_NBD_CONNECTIONS) {
+        None => 1,
+        Some(n) => n
+            .parse::<u8>()
+            .ok()
+            .filter(|n| (1..=nbd::dial::MAX_CONNECTIONS).contains(n))
+            .ok_or_else(|| {
+                NodeError::invalid(format!(
+                    "{KEY_NBD_CONNECTIONS} {n:?} must be a number from 1 to 16"
+                ))
+            })?,
+    };
+    Ok(Export {
+        uri: uri.to_string(),
+        connections,
+    })
+}
+
+/// Whether the request carries an export at all (publish may omit it).
+pub fn has_export(
+    publish_context: &HashMap<String, String>,
+    volume_context: &HashMap<String, String>,
+) -> bool {
+    publish_context.contains_key(KEY_NBD_URI) || volume_context.contains_key(KEY_NBD_URI)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use csi_proto::csi::volume_capability::{AccessMode as PbMode, BlockVolume, MountVolume};
+
+    fn cap(access: Option<AccessType>, mode: Mode) -> VolumeCapability {
+        VolumeCapability {
+            access_type: access,
+            access_mode: Some(PbMode { mode: mode as i32 }),
+        }
+    }
+
+    fn mount(fs: &str, flags: &[&str]) -> Option<AccessType> {
+        Some(AccessType::Mount(MountVolume {
+            fs_type: fs.into(),
+            mount_flags: flags.iter().map(|s| s.to_string()).collect(),
+            volume_mount_group: String::new(),
+        }))
+    }
+
+    fn block() -> Option<AccessType> {
+        Some(AccessType::Block(BlockVolume {}))
+    }
+
+    #[test]
+    fn capabilities_accepted() {
+        let c = capability(Some(&cap(mount("", &["noatime"]), Mode::SingleNodeWriter))).unwrap();
+        assert_eq!(
+            c.access,
+            Access::Mount {
+                fs: "ext4".into(),
+                flags: vec!["noatime".into()]
+            }
+        );
+        assert_eq!(c.filesystem(), Some(Filesystem::Ext4));
+        let c = capability(Some(&cap(block(), Mode::MultiNodeMultiWriter))).unwrap();
+        assert_eq!(
+            (c.access, c.mode),
+            (Access::Block, AccessMode::MultiNodeMultiWriter)
+        );
+        assert!(capability(Some(&cap(mount("xfs", &[]), Mode::SingleNodeSingleWriter))).is_ok());
+        assert!(capability(Some(&cap(block(), Mode::SingleNodeWriter))).is_ok());
+    }
+
+    #[test]
+    fn capabilities_refused_with_reasons() {
+        let refused = [
+            (None, "volume_capability is required"),
+            (
+                Some(cap(mount("ext4", &[]), Mode::MultiNodeMultiWriter)),
+                "volumeMode: Block",
+            ),
+            (
+                Some(cap(mount("ext4", &[]), Mode::MultiNodeReaderOnly)),
+                "volumeMode: Block",
+            ),
+            (
+                Some(cap(mount("btrfs", &[]), Mode::SingleNodeWriter)),
+                "unsupported filesystem type",
+            ),
+            (
+                Some(cap(mount("ext4", &["bind"]), Mode::SingleNodeWriter)),
+                "mount flags",
+            ),
+            (
+                Some(cap(block(), Mode::MultiNodeSingleWriter)),
+                "MULTI_NODE_SINGLE_WRITER",
+            ),
+            (Some(cap(block(), Mode::Unknown)), "access_mode is required"),
+            (Some(cap(None, Mode::SingleNodeWriter)), "access_type"),
+        ];
+        for (c, want) in refused {
+            let err = capability(c.as_ref()).unwrap_err();
+            assert!(
+                matches!(err, NodeError::InvalidArgument(ref m) if m.contains(want)),
+                "{err} !~ {want}"
+            );
+        }
+    }
+
+    #[test]
+    fn paths() {
+        assert_eq!(
+            abs_path("p", "/var/lib/x/").unwrap(),
+            PathBuf::from("/var/lib/x")
+        );
+        for bad in ["", "relative/x", "/a/../b", "/a/./b", "/a\0b"] {
+            assert!(
+                matches!(
+                    abs_path("staging_target_path", bad),
+                    Err(NodeError::InvalidArgument(_))
+                ),
+                "{bad:?}"
+            );
+        }
+    }
+
+    fn ctx(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn export_from_contexts() {
+        let e = export(
+            &ctx(&[("nbdUri", "nbd://a/x")]),
+            &ctx(&[("nbdUri", "nbd://b/y"), ("nbdConnections", "4")]),
+        )
+        .unwrap();
+        assert_eq!(e.uri, "nbd://a:10809/x", "publish context wins");
+        assert_eq!(e.connections, 4);
+        let e = export(
+            &ctx(&[]),
+            &ctx(&[
+                ("nbdUri", "nbd+unix:///v?socket=/s"),
+                ("csi.storage.k8s.io/pv/name", "pv"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(e.connections, 1);
+    }
+
+    #[test]
+    fn export_refusals() {
+        let refused = [
+            (ctx(&[]), ctx(&[]), "no nbdUri"),
+            (
+                ctx(&[]),
+                ctx(&[("nbdUri", "http://x")]),
+                "not an NBD scheme",
+            ),
+            (
+                ctx(&[]),
+                ctx(&[("nbdUri", "nbd://x/"), ("nbdConnections", "0")]),
+                "from 1 to 16",
+            ),
+            (
+                ctx(&[]),
+                ctx(&[("nbdUri", "nbd://x/"), ("nbdConnections", "17")]),
+                "from 1 to 16",
+            ),
+            (
+                ctx(&[("nbdURI", "nbd://x/")]),
+                ctx(&[]),
+                "unknown key \"nbdURI\" in publish_context",
+            ),
+        ];
+        for (p, v, want) in refused {
+            let err = export(&p, &v).unwrap_err();
+            assert!(
+                matches!(err, NodeError::InvalidArgument(ref m) if m.contains(want)),
+                "{err} !~ {want}"
+            );
+        }
+    }
+}

@@ -1,0 +1,167 @@
+//! Start-up order, sockets, and shutdown.
+//!
+//! 1. netlink (loading the nbd module if the kernel does not autoload it) and the LINK_DEAD
+//!    subscription, before anything else, so no event is missed;
+//! 2. the CSI socket, so Probe answers "not ready" while recovery runs;
+//! 3. recovery; then the healer, and the kubelet registration socket.
+//!
+//! Shutdown stops serving and removes the sockets; it never touches a device: the kernel owns
+//! the data path, and a restart must not interrupt I/O.
+
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use csi_proto::csi::identity_server::IdentityServer;
+use csi_proto::csi::node_server::NodeServer;
+use csi_proto::registration::registration_server::RegistrationServer;
+use nbd::netlink::{LinkDeadEvents, NbdNetlink};
+use nbd::sysfs::Sysfs;
+use tokio::net::UnixListener;
+use tokio::sync::watch;
+use tokio_stream::wrappers::UnixListenerStream;
+
+use crate::config::Settings;
+use crate::healer::Healer;
+use crate::journal::Journal;
+use crate::node::Node;
+use crate::recovery;
+use crate::service::identity::IdentityService;
+use crate::service::node::NodeService;
+use crate::service::registration::RegistrationService;
+
+pub async fn run(settings: Settings) -> Result<()> {
+    // Everything this daemon creates (journal, sockets) is for root only.
+    nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
+    let nl = open_netlink().await?;
+    let events = LinkDeadEvents::subscribe()
+        .await
+        .context("subscribing to LINK_DEAD")?;
+    let journal = Journal::open(&settings.state_dir)?;
+    let node = Arc::new(Node::new(settings.clone(), journal, nl, Sysfs::default()));
+    let (stop_tx, stop_rx) = watch::channel(false);
+
+    let csi = bind_socket(&settings.csi_socket)?;
+    let csi_server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(IdentityServer::new(IdentityService::new(Arc::clone(&node))))
+            .add_service(NodeServer::new(NodeService::new(Arc::clone(&node))))
+            .serve_with_incoming_shutdown(UnixListenerStream::new(csi), stopped(stop_rx.clone())),
+    );
+    tracing::info!(socket = %settings.csi_socket.display(), node_id = %settings.node_id, "serving CSI; recovering");
+
+    let started = std::time::Instant::now();
+    let report = recovery::recover(&node).await?;
+    tracing::info!(
+        records = report.records,
+        finished = report.finished.len(),
+        rolled_back = report.rolled_back.len(),
+        repaired = report.repaired.len(),
+        rebuilt = report.rebuilt.len(),
+        quarantined = report.quarantined.len(),
+        unreconciled = report.unreconciled.len(),
+        elapsed_ms = started.elapsed().as_millis() as u64,
+        "recovery finished; ready"
+    );
+    for problem in &report.unreconciled {
+        tracing::error!(problem, "not reconciled");
+    }
+
+    let healer = Arc::new(Healer::default());
+    let healing = Arc::clone(&healer).spawn(Arc::clone(&node), events);
+    healer.refresh_all(&node);
+
+    let mut sockets = vec![settings.csi_socket.clone()];
+    let registration = match &settings.registration_dir {
+        Some(dir) => {
+            let path = dir.join(RegistrationService::socket_name());
+            let listener = bind_socket(&path)?;
+            sockets.push(path);
+            Some(tokio::spawn(
+                tonic::transport::Server::builder()
+                    .add_service(RegistrationServer::new(RegistrationService::new(
+                        settings.csi_socket.clone(),
+                    )))
+                    .serve_with_incoming_shutdown(
+                        UnixListenerStream::new(listener),
+                        stopped(stop_rx.clone()),
+                    ),
+            ))
+        }
+        None => None,
+    };
+
+    wait_for_signal().await?;
+    tracing::info!("stopping; attached devices stay attached");
+    let _ = stop_tx.send(true);
+    healing.abort();
+    csi_server.await??;
+    if let Some(r) = registration {
+        r.await??;
+    }
+    for s in sockets {
+        let _ = std::fs::remove_file(s);
+    }
+    Ok(())
+}
+
+async fn stopped(mut rx: watch::Receiver<bool>) {
+    let _ = rx.wait_for(|stop| *stop).await;
+}
+
+async fn wait_for_signal() -> Result<()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+    Ok(())
+}
+
+/// Opens the nbd netlink family, loading the module first on kernels that do not autoload it.
+async fn open_netlink() -> Result<NbdNetlink> {
+    match NbdNetlink::open().await {
+        Err(nbd::Error::ModuleNotLoaded) => {
+            tracing::info!("loading the nbd module");
+            let status = tokio::process::Command::new("modprobe")
+                .arg("nbd")
+                .status()
+                .await;
+            match status {
+                Ok(s) if s.success() => {}
+                other => tracing::warn!(?other, "modprobe nbd failed"),
+            }
+            NbdNetlink::open()
+                .await
+                .context("opening the nbd netlink family")
+        }
+        other => other.context("opening the nbd netlink family"),
+    }
+}
+
+/// Binds a unix socket at `path`, mode 0600. A stale socket left by a crash is removed; a
+/// live one (another daemon answering there) or a non-socket file is an error.
+pub fn bind_socket(path: &Path) -> Result<UnixListener> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_socket() => {
+            if std::os::unix::net::UnixStream::connect(path).is_ok() {
+                anyhow::bail!("{} is in use by another process", path.display());
+            }
+            std::fs::remove_file(path)
+                .with_context(|| format!("removing stale {}", path.display()))?;
+        }
+        Ok(_) => anyhow::bail!("{} exists and is not a socket", path.display()),
+        Err(_) => {}
+    }
+    let listener =
+        UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+        .with_context(|| format!("chmod {}", path.display()))?;
+    Ok(listener)
+}

@@ -1,0 +1,261 @@
+//! CSI Node over gRPC: validate, call the node, map the error. One tracing span per call,
+//! carrying the volume id and, once known, the device.
+
+use std::sync::Arc;
+
+use csi_proto::csi::node_server::Node as NodeApi;
+use csi_proto::csi::node_service_capability::rpc::Type as Rpc;
+use csi_proto::csi::node_service_capability::{Rpc as RpcCap, Type as CapType};
+use csi_proto::csi::volume_usage::Unit;
+use csi_proto::csi::*;
+use tonic::{Request, Response, Status};
+use tracing::Instrument;
+
+use crate::config::TOPOLOGY_KEY;
+use crate::error::NodeError;
+use crate::ids::VolumeId;
+use crate::node::Node;
+use crate::request::{abs_path, capability, export, has_export};
+use crate::volumes::{ExpandRequest, PublishRequest, StageRequest, Usage};
+
+#[derive(Debug)]
+pub struct NodeService {
+    node: Arc<Node>,
+}
+
+impl NodeService {
+    pub fn new(node: Arc<Node>) -> Self {
+        Self { node }
+    }
+
+    /// Runs one call inside its span, records the device the volume ended up on, and turns
+    /// the outcome into a gRPC answer (logging failures once, here).
+    async fn call<T, F>(
+        &self,
+        op: &'static str,
+        volume_id: &str,
+        f: F,
+    ) -> Result<Response<T>, Status>
+    where
+        F: std::future::Future<Output = Result<T, NodeError>>,
+    {
+        let span = tracing::info_span!("csi", op, volume_id, device = tracing::field::Empty);
+        let result = f.instrument(span.clone()).await;
+        if let Some(index) = self.node.record(volume_id).and_then(|r| r.device) {
+            span.record("device", format!("/dev/nbd{index}"));
+        }
+        let _enter = span.enter();
+        match result {
+            Ok(v) => {
+                tracing::debug!("ok");
+                Ok(Response::new(v))
+            }
+            Err(e) => {
+                let status = Status::from(e);
+                tracing::warn!(code = ?status.code(), message = status.message(), "failed");
+                Err(status)
+            }
+        }
+    }
+}
+
+fn capability_of(rpc: Rpc) -> NodeServiceCapability {
+    NodeServiceCapability {
+        r#type: Some(CapType::Rpc(RpcCap { r#type: rpc as i32 })),
+    }
+}
+
+#[tonic::async_trait]
+impl NodeApi for NodeService {
+    async fn node_stage_volume(
+        &self,
+        request: Request<NodeStageVolumeRequest>,
+    ) -> Result<Response<NodeStageVolumeResponse>, Status> {
+        let r = request.into_inner();
+        self.call("NodeStageVolume", &r.volume_id, async {
+            let req = StageRequest {
+                volume: VolumeId::parse(&r.volume_id)?,
+                staging_path: abs_path("staging_target_path", &r.staging_target_path)?,
+                capability: capability(r.volume_capability.as_ref())?,
+                export: export(&r.publish_context, &r.volume_context)?,
+            };
+            self.node
+                .stage(req)
+                .await
+                .map(|()| NodeStageVolumeResponse {})
+        })
+        .await
+    }
+
+    async fn node_unstage_volume(
+        &self,
+        request: Request<NodeUnstageVolumeRequest>,
+    ) -> Result<Response<NodeUnstageVolumeResponse>, Status> {
+        let r = request.into_inner();
+        self.call("NodeUnstageVolume", &r.volume_id, async {
+            let volume = VolumeId::parse(&r.volume_id)?;
+            let staging = abs_path("staging_target_path", &r.staging_target_path)?;
+            self.node
+                .unstage(&volume, &staging)
+                .await
+                .map(|()| NodeUnstageVolumeResponse {})
+        })
+        .await
+    }
+
+    async fn node_publish_volume(
+        &self,
+        request: Request<NodePublishVolumeRequest>,
+    ) -> Result<Response<NodePublishVolumeResponse>, Status> {
+        let r = request.into_inner();
+        self.call("NodePublishVolume", &r.volume_id, async {
+            let req = PublishRequest {
+                volume: VolumeId::parse(&r.volume_id)?,
+                staging_path: abs_path("staging_target_path", &r.staging_target_path)?,
+                target: abs_path("target_path", &r.target_path)?,
+                capability: capability(r.volume_capability.as_ref())?,
+                read_only: r.readonly,
+                export: if has_export(&r.publish_context, &r.volume_context) {
+                    Some(export(&r.publish_context, &r.volume_context)?)
+                } else {
+                    None
+                },
+            };
+            self.node
+                .publish(req)
+                .await
+                .map(|()| NodePublishVolumeResponse {})
+        })
+        .await
+    }
+
+    async fn node_unpublish_volume(
+        &self,
+        request: Request<NodeUnpublishVolumeRequest>,
+    ) -> Result<Response<NodeUnpublishVolumeResponse>, Status> {
+        let r = request.into_inner();
+        self.call("NodeUnpublishVolume", &r.volume_id, async {
+            let volume = VolumeId::parse(&r.volume_id)?;
+            let target = abs_path("target_path", &r.target_path)?;
+            self.node
+                .unpublish(&volume, &target)
+                .await
+                .map(|()| NodeUnpublishVolumeResponse {})
+        })
+        .await
+    }
+
+    async fn node_get_volume_stats(
+        &self,
+        request: Request<NodeGetVolumeStatsRequest>,
+    ) -> Result<Response<NodeGetVolumeStatsResponse>, Status> {
+        let r = request.into_inner();
+        self.call("NodeGetVolumeStats", &r.volume_id, async {
+            let volume = VolumeId::parse(&r.volume_id)?;
+            let path = abs_path("volume_path", &r.volume_path)?;
+            let stats = self.node.stats(&volume, &path)?;
+            let usage = match stats.usage {
+                Usage::Filesystem(u) => vec![
+                    VolumeUsage {
+                        available: u.bytes_available as i64,
+                        total: u.bytes_total as i64,
+                        used: u.bytes_used as i64,
+                        unit: Unit::Bytes as i32,
+                    },
+                    VolumeUsage {
+                        available: u.inodes_free as i64,
+                        total: u.inodes_total as i64,
+                        used: u.inodes_used as i64,
+                        unit: Unit::Inodes as i32,
+                    },
+                ],
+                Usage::Block { bytes } => vec![VolumeUsage {
+                    available: 0,
+                    total: bytes as i64,
+                    used: 0,
+                    unit: Unit::Bytes as i32,
+                }],
+            };
+            Ok(NodeGetVolumeStatsResponse {
+                usage,
+                volume_condition: Some(VolumeCondition {
+                    abnormal: stats.abnormal,
+                    message: stats.message,
+                }),
+            })
+        })
+        .await
+    }
+
+    async fn node_expand_volume(
+        &self,
+        request: Request<NodeExpandVolumeRequest>,
+    ) -> Result<Response<NodeExpandVolumeResponse>, Status> {
+        let r = request.into_inner();
+        self.call("NodeExpandVolume", &r.volume_id, async {
+            let required = r.capacity_range.as_ref().map(|c| c.required_bytes);
+            if required.is_some_and(|b| b < 0) {
+                return Err(NodeError::invalid(
+                    "capacity_range.required_bytes must not be negative",
+                ));
+            }
+            if let Some(cap) = r.volume_capability.as_ref() {
+                capability(Some(cap))?;
+            }
+            let req = ExpandRequest {
+                volume: VolumeId::parse(&r.volume_id)?,
+                volume_path: abs_path("volume_path", &r.volume_path)?,
+                required_bytes: required.filter(|b| *b > 0).map(|b| b as u64),
+            };
+            let bytes = self.node.expand(req).await?;
+            Ok(NodeExpandVolumeResponse {
+                capacity_bytes: bytes as i64,
+            })
+        })
+        .await
+    }
+
+    async fn node_get_capabilities(
+        &self,
+        _: Request<NodeGetCapabilitiesRequest>,
+    ) -> Result<Response<NodeGetCapabilitiesResponse>, Status> {
+        Ok(Response::new(NodeGetCapabilitiesResponse {
+            capabilities: [
+                Rpc::StageUnstageVolume,
+                Rpc::GetVolumeStats,
+                Rpc::ExpandVolume,
+                Rpc::VolumeCondition,
+                Rpc::SingleNodeMultiWriter,
+            ]
+            .into_iter()
+            .map(capability_of)
+            .collect(),
+        }))
+    }
+
+    async fn node_get_info(
+        &self,
+        _: Request<NodeGetInfoRequest>,
+    ) -> Result<Response<NodeGetInfoResponse>, Status> {
+        let max = self
+            .node
+            .settings
+            .max_volumes
+            .unwrap_or_else(nbd_device_limit);
+        Ok(Response::new(NodeGetInfoResponse {
+            node_id: self.node.settings.node_id.clone(),
+            max_volumes_per_node: max,
+            accessible_topology: Some(Topology {
+                segments: [(TOPOLOGY_KEY.to_owned(), "true".to_owned())].into(),
+            }),
+        }))
+    }
+}
+
+/// How many devices the nbd module was loaded with (`nbds_max`); 0 (no limit) if unknown.
+fn nbd_device_limit() -> i64 {
+    std::fs::read_to_string("/sys/module/nbd/parameters/nbds_max")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0)
+}

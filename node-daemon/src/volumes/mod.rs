@@ -1,0 +1,11 @@
+//! The CSI node operations, each an `impl Node` block.
+
+pub mod expand;
+pub mod publish;
+pub mod stage;
+pub mod stats;
+
+pub use expand::ExpandRequest;
+pub use publish::PublishRequest;
+pub use stage::StageRequest;
+pub use stats::{Stats, Usage};

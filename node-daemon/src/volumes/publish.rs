@@ -1,0 +1,229 @@
+//! NodePublishVolume and NodeUnpublishVolume: bind mounts from the staging path (filesystem
+//! volumes) or of the device node (block volumes) onto the pod's target path.
+
+use std::path::{Path, PathBuf};
+
+use mounts::MountTable;
+
+use crate::error::NodeError;
+use crate::ids::{Identifier, VolumeId};
+use crate::locks::CALL_PATIENCE;
+use crate::node::{device_numbers, Node};
+use crate::record::{Access, Export, Phase, Record, Target, TargetPhase};
+use crate::request::Capability;
+use crate::volumes::stage::staging_path;
+
+/// A validated NodePublishVolume.
+#[derive(Debug)]
+pub struct PublishRequest {
+    pub volume: VolumeId,
+    pub staging_path: PathBuf,
+    pub target: PathBuf,
+    pub capability: Capability,
+    pub read_only: bool,
+    /// Present when the request carried `nbdUri`.
+    pub export: Option<Export>,
+}
+
+impl Node {
+    pub async fn publish(&self, req: PublishRequest) -> Result<(), NodeError> {
+        self.ensure_ready()?;
+        let _guard = self
+            .locks
+            .lock_within(req.volume.as_str(), CALL_PATIENCE)
+            .await?;
+        let mut record = self.record(req.volume.as_str()).ok_or_else(|| {
+            NodeError::FailedPrecondition(format!(
+                "volume {} is not staged on this node: NodeStageVolume must succeed first",
+                req.volume
+            ))
+        })?;
+        if !matches!(record.phase, Phase::Staged) {
+            return Err(NodeError::FailedPrecondition(format!(
+                "volume {} is not staged yet (step: {:?})",
+                req.volume, record.phase
+            )));
+        }
+        if record.staging_path.is_none() {
+            record.staging_path = Some(req.staging_path.clone());
+        }
+        if !record.is_staging_path(&req.staging_path) {
+            return Err(NodeError::FailedPrecondition(format!(
+                "volume {} is staged at {}, not at {}",
+                req.volume,
+                staging_path(&record)?.display(),
+                req.staging_path.display()
+            )));
+        }
+        if record.export.is_none() {
+            // Rebuilt from kernel facts: take the CO's word for capability and export.
+            record.access = req.capability.access.clone();
+            record.mode = req.capability.mode;
+            record.export = req.export.clone();
+        }
+        if record.access != req.capability.access || record.mode != req.capability.mode {
+            return Err(NodeError::InvalidArgument(format!(
+                "volume {} was staged with another capability ({:?} {:?})",
+                req.volume, record.access, record.mode
+            )));
+        }
+        let read_only = req.read_only || record.mode.read_only();
+
+        if let Some(existing) = record.targets.get(&req.target).copied() {
+            if existing.read_only != read_only {
+                return Err(NodeError::AlreadyExists(format!(
+                    "volume {} is already published at {} with readonly={}",
+                    req.volume,
+                    req.target.display(),
+                    existing.read_only
+                )));
+            }
+        } else if record.mode.single_target() && !record.targets.is_empty() {
+            return Err(NodeError::FailedPrecondition(format!(
+                "volume {} allows one workload ({:?}) and is already published at {}",
+                req.volume,
+                record.mode,
+                crate::node::paths(&record.targets)
+            )));
+        }
+
+        record.targets.insert(
+            req.target.clone(),
+            Target {
+                read_only,
+                phase: TargetPhase::Publishing,
+            },
+        );
+        self.save(&record)?;
+        fail::fail_point!("publish-after-journal");
+        self.bind_target(&record, &req.target, read_only)?;
+        fail::fail_point!("publish-after-mount");
+        if let Some(t) = record.targets.get_mut(&req.target) {
+            t.phase = TargetPhase::Published;
+        }
+        self.save(&record)
+    }
+
+    /// Makes `target` show the volume, unless it already does.
+    fn bind_target(
+        &self,
+        record: &Record,
+        target: &Path,
+        read_only: bool,
+    ) -> Result<(), NodeError> {
+        let device = self.proven_device(record)?.ok_or_else(|| {
+            NodeError::FailedPrecondition(format!("device of volume {} is gone", record.volume_id))
+        })?;
+        let dev = self.sysfs.dev_path(device.index());
+        let table = MountTable::read()?;
+        let already = match &record.access {
+            Access::Block => table
+                .of_device_node(&device.index().name())
+                .any(|m| m.mount_point == target),
+            Access::Mount { .. } => device_numbers(&dev).is_some_and(|(major, minor)| {
+                table
+                    .at(target)
+                    .any(|m| m.major == major && m.minor == minor)
+            }),
+        };
+        if already {
+            return Ok(());
+        }
+        if table.is_mount_point(target) {
+            return Err(NodeError::FailedPrecondition(format!(
+                "{} already has another mount on it",
+                target.display()
+            )));
+        }
+        match &record.access {
+            Access::Block => {
+                // Kubelet creates the parent; the plugin creates the file the device is bound onto.
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .truncate(false)
+                    .write(true)
+                    .open(target)
+                    .map_err(|e| {
+                        NodeError::Internal(format!("creating {}: {e}", target.display()))
+                    })?;
+                mounts::ops::bind(&dev, target, read_only)?;
+            }
+            Access::Mount { .. } => {
+                std::fs::create_dir_all(target).map_err(|e| {
+                    NodeError::Internal(format!("creating {}: {e}", target.display()))
+                })?;
+                mounts::ops::bind(staging_path(record)?, target, read_only)?;
+            }
+        }
+        Ok(())
+    }
+
+    pub async fn unpublish(&self, volume: &VolumeId, target: &Path) -> Result<(), NodeError> {
+        self.ensure_ready()?;
+        let _guard = self
+            .locks
+            .lock_within(volume.as_str(), CALL_PATIENCE)
+            .await?;
+        let Some(mut record) = self.record(volume.as_str()) else {
+            return self.unpublish_unknown(volume, target);
+        };
+        let Some(entry) = record.targets.get_mut(target) else {
+            return self.unpublish_unknown(volume, target);
+        };
+        entry.phase = TargetPhase::Unpublishing;
+        self.save(&record)?;
+        fail::fail_point!("unpublish-after-journal");
+        release_target(target, record.access.is_block())?;
+        fail::fail_point!("unpublish-after-unmount");
+        record.targets.remove(target);
+        self.save(&record)
+    }
+
+    /// NodeUnpublish of a target the journal does not know: success (the call is idempotent),
+    /// after removing a mount there only if it is provably this volume's device.
+    fn unpublish_unknown(&self, volume: &VolumeId, target: &Path) -> Result<(), NodeError> {
+        let table = MountTable::read()?;
+        let Some(mount) = table.at(target).last() else {
+            return Ok(());
+        };
+        let index = if mount.fs_type == "devtmpfs" {
+            mount
+                .root
+                .to_str()
+                .and_then(|r| r.trim_start_matches('/').parse::<nbd::DeviceIndex>().ok())
+        } else {
+            self.sysfs.devices()?.into_iter().find(|i| {
+                device_numbers(&self.sysfs.dev_path(*i)) == Some((mount.major, mount.minor))
+            })
+        };
+        let ours = index
+            .and_then(|i| self.sysfs.backend(i).ok().flatten())
+            .and_then(|b| Identifier::parse(&b))
+            .is_some_and(|id| {
+                id.node == self.settings.node_id && id.volume.as_deref() == Some(volume.as_str())
+            });
+        if ours {
+            tracing::warn!(%volume, target = %target.display(), "unpublishing a target the journal did not know");
+            release_target(target, mount.fs_type == "devtmpfs")?;
+        }
+        Ok(())
+    }
+}
+
+/// Unmounts the target (every layer) and deletes the file or directory the plugin created.
+pub(crate) fn release_target(target: &Path, block: bool) -> Result<(), NodeError> {
+    while mounts::ops::unmount(target)? {}
+    let removed = if block {
+        std::fs::remove_file(target)
+    } else {
+        std::fs::remove_dir(target)
+    };
+    match removed {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(NodeError::Internal(format!(
+            "removing {}: {e}",
+            target.display()
+        ))),
+    }
+}

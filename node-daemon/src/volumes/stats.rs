@@ -1,0 +1,104 @@
+//! NodeGetVolumeStats: usage and the volume's condition. Usage is always returned, even when
+//! the condition is abnormal: kubelet drops a response that has a condition but no usage.
+
+use std::path::Path;
+use std::time::Instant;
+
+use crate::error::NodeError;
+use crate::ids::VolumeId;
+use crate::node::{identifier, Link, Node};
+use crate::record::{Access, Record};
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Usage {
+    Filesystem(mounts::usage::Usage),
+    /// Size of the block device.
+    Block {
+        bytes: u64,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stats {
+    pub usage: Usage,
+    pub abnormal: bool,
+    pub message: String,
+}
+
+impl Node {
+    pub fn stats(&self, volume: &VolumeId, path: &Path) -> Result<Stats, NodeError> {
+        self.ensure_ready()?;
+        let record = self.record(volume.as_str()).ok_or_else(|| {
+            NodeError::NotFound(format!("volume {volume} is not staged on this node"))
+        })?;
+        if !record.owns_path(path) {
+            return Err(NodeError::NotFound(format!(
+                "volume {volume} is neither staged nor published at {}",
+                path.display()
+            )));
+        }
+        let (abnormal, message) = self.condition(&record)?;
+        let usage = match &record.access {
+            Access::Mount { .. } => match mounts::usage::usage(path) {
+                Ok(u) if !abnormal || self.mounted_here(&record, path) => Usage::Filesystem(u),
+                _ => Usage::Filesystem(mounts::usage::Usage {
+                    bytes_total: 0,
+                    bytes_available: 0,
+                    bytes_used: 0,
+                    inodes_total: 0,
+                    inodes_free: 0,
+                    inodes_used: 0,
+                }),
+            },
+            Access::Block => Usage::Block {
+                bytes: record
+                    .device_index()
+                    .and_then(|i| self.sysfs.size_bytes(i).ok())
+                    .unwrap_or_default(),
+            },
+        };
+        Ok(Stats {
+            usage,
+            abnormal,
+            message,
+        })
+    }
+
+    fn mounted_here(&self, record: &Record, path: &Path) -> bool {
+        record.device_index().is_some_and(|i| {
+            self.mounted_from(&self.sysfs.dev_path(i), path)
+                .unwrap_or(false)
+        })
+    }
+
+    /// Abnormal when the device is missing, carries another identifier, or its link is down.
+    fn condition(&self, record: &Record) -> Result<(bool, String), NodeError> {
+        let Some(index) = record.device_index() else {
+            return Ok((true, "no NBD device is attached for this volume".into()));
+        };
+        let expected = identifier(record)?;
+        match self.sysfs.backend(index)? {
+            None => return Ok((true, format!("{index} is gone (no longer attached)"))),
+            Some(found) if found != expected.as_str() => {
+                return Ok((
+                    true,
+                    format!("{index} now carries {found:?}, not this volume's {expected}"),
+                ))
+            }
+            Some(_) => {}
+        }
+        Ok(match self.link(&record.volume_id) {
+            Link::Up => (false, format!("attached as {index}, connected")),
+            Link::Down { since, last_error } => (
+                true,
+                format!(
+                    "connection of {index} to its export lost {}s ago; reconnecting{}",
+                    Instant::now().duration_since(since).as_secs(),
+                    last_error
+                        .map(|e| format!(" (last error: {e})"))
+                        .unwrap_or_default()
+                ),
+            ),
+        })
+    }
+}

@@ -1,0 +1,880 @@
+//! The node daemon against the real kernel, driven through its CSI socket as kubelet drives
+//! it. Ignored on the host; run in the VM on every kernel line by `tests/vm/run`.
+
+#![allow(clippy::unwrap_used)] // a test fails by panicking
+
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use csi_proto::csi::volume_capability::access_mode::Mode;
+use csi_proto::csi::{NodeGetCapabilitiesRequest, NodeGetInfoRequest, VolumeCapability};
+use mounts::MountTable;
+use nbd::sysfs::Sysfs;
+use testkit::csi::*;
+use testkit::daemon::NodeDaemon;
+use testkit::{pattern, DirectFile, Listen, NbdServer};
+use tonic::Code;
+
+const MIB: u64 = 1 << 20;
+
+/// Short timeouts so healing and requeues happen within a test's patience.
+const CONFIG: &str = "io-timeout-secs = 4\ndead-conn-timeout-secs = 30\ndial-timeout-secs = 5\n";
+
+/// One volume: a sparse backing file served by nbdkit, and kubelet-shaped paths.
+struct Volume {
+    id: String,
+    backing: PathBuf,
+    server: NbdServer,
+    staging: PathBuf,
+    target: PathBuf,
+    cap: VolumeCapability,
+}
+
+impl Volume {
+    fn new(daemon: &NodeDaemon, id: &str, size: u64, cap: VolumeCapability) -> Self {
+        Self::new_on(daemon, id, size, cap, Listen::Unix)
+    }
+
+    /// Exports that will grow are served over TCP: the daemon replaces a device's TCP
+    /// connections so the server serves the new size (see node-daemon/src/connections.rs).
+    fn new_on(
+        daemon: &NodeDaemon,
+        id: &str,
+        size: u64,
+        cap: VolumeCapability,
+        listen: Listen,
+    ) -> Self {
+        let root = daemon.scratch();
+        let backing = root.join(format!("{id}.img"));
+        std::fs::File::create(&backing)
+            .unwrap()
+            .set_len(size)
+            .unwrap();
+        let file = format!("file={}", backing.display());
+        let server = NbdServer::nbdkit(listen, &["file", &file]).unwrap();
+        let block = matches!(
+            cap.access_type,
+            Some(csi_proto::csi::volume_capability::AccessType::Block(_))
+        );
+        let (staging, target) = if block {
+            (
+                root.join(format!(
+                    "plugins/kubernetes.io/csi/volumeDevices/staging/{id}"
+                )),
+                root.join(format!(
+                    "plugins/kubernetes.io/csi/volumeDevices/publish/{id}/pod-1"
+                )),
+            )
+        } else {
+            (
+                root.join(format!(
+                    "plugins/kubernetes.io/csi/ustor-nbd.csi.mindsw.io/{id}/globalmount"
+                )),
+                root.join(format!("pods/pod-1/volumes/kubernetes.io~csi/{id}/mount")),
+            )
+        };
+        // What kubelet creates before calling: the staging directory, the target's parent.
+        std::fs::create_dir_all(&staging).unwrap();
+        std::fs::create_dir_all(target.parent().unwrap()).unwrap();
+        Self {
+            id: id.into(),
+            backing,
+            server,
+            staging,
+            target,
+            cap,
+        }
+    }
+
+    fn uri(&self) -> String {
+        self.server.uri().to_string()
+    }
+
+    async fn stage(&self, c: &mut NodeClients) -> Result<(), tonic::Status> {
+        c.node
+            .node_stage_volume(stage_request(
+                &self.id,
+                &self.staging,
+                self.cap.clone(),
+                &self.uri(),
+            ))
+            .await
+            .map(drop)
+    }
+
+    async fn publish(&self, c: &mut NodeClients) -> Result<(), tonic::Status> {
+        c.node
+            .node_publish_volume(publish_request(
+                &self.id,
+                &self.staging,
+                &self.target,
+                self.cap.clone(),
+                &self.uri(),
+                false,
+            ))
+            .await
+            .map(drop)
+    }
+
+    async fn unpublish(&self, c: &mut NodeClients) -> Result<(), tonic::Status> {
+        c.node
+            .node_unpublish_volume(unpublish_request(&self.id, &self.target))
+            .await
+            .map(drop)
+    }
+
+    async fn unstage(&self, c: &mut NodeClients) -> Result<(), tonic::Status> {
+        c.node
+            .node_unstage_volume(unstage_request(&self.id, &self.staging))
+            .await
+            .map(drop)
+    }
+
+    async fn up(&self, c: &mut NodeClients) {
+        self.stage(c)
+            .await
+            .unwrap_or_else(|e| panic!("stage {}: {e:?}", self.id));
+        self.publish(c)
+            .await
+            .unwrap_or_else(|e| panic!("publish {}: {e:?}", self.id));
+    }
+
+    async fn down(&self, c: &mut NodeClients) {
+        self.unpublish(c)
+            .await
+            .unwrap_or_else(|e| panic!("unpublish {}: {e:?}", self.id));
+        self.unstage(c)
+            .await
+            .unwrap_or_else(|e| panic!("unstage {}: {e:?}", self.id));
+    }
+
+    /// The device the daemon attached for this volume, found by its identifier.
+    fn device(&self, daemon: &NodeDaemon) -> Option<nbd::DeviceIndex> {
+        let sysfs = Sysfs::default();
+        sysfs.devices().unwrap().into_iter().find(|i| {
+            sysfs
+                .backend(*i)
+                .unwrap()
+                .is_some_and(|b| b.starts_with(&format!("ustor:{}:{}:", daemon.node_id, self.id)))
+        })
+    }
+
+    fn read_backing(&self, offset: u64, len: usize) -> Vec<u8> {
+        let mut buf = vec![0; len];
+        std::fs::File::open(&self.backing)
+            .unwrap()
+            .read_exact_at(&mut buf, offset)
+            .unwrap();
+        buf
+    }
+}
+
+fn ext4() -> VolumeCapability {
+    mount_capability("ext4", Mode::SingleNodeWriter)
+}
+
+fn block() -> VolumeCapability {
+    block_capability(Mode::SingleNodeWriter)
+}
+
+/// Nothing of this daemon's is left: no journal record, no device with its identifiers, no
+/// mount of an nbd device.
+fn assert_clean(daemon: &NodeDaemon) {
+    assert!(
+        daemon.journal_files().is_empty(),
+        "journal records left: {:?}",
+        daemon.journal_files()
+    );
+    let sysfs = Sysfs::default();
+    let prefix = format!("ustor:{}:", daemon.node_id);
+    for i in sysfs.devices().unwrap() {
+        let backend = sysfs.backend(i).unwrap();
+        assert!(
+            !backend.as_deref().is_some_and(|b| b.starts_with(&prefix)),
+            "{i} still attached as {backend:?}"
+        );
+    }
+    let table = MountTable::read().unwrap();
+    let leftover: Vec<_> = table
+        .0
+        .iter()
+        .filter(|m| {
+            m.source.starts_with("/dev/nbd")
+                || (m.fs_type == "devtmpfs" && m.root.starts_with("/nbd"))
+        })
+        .filter(|m| m.mount_point.starts_with(daemon.scratch()))
+        .collect();
+    assert!(leftover.is_empty(), "mounts left: {leftover:?}");
+}
+
+fn is_mounted(path: &Path) -> bool {
+    MountTable::read().unwrap().is_mount_point(path)
+}
+
+/// Writes a file through the published path and checks it reads back.
+fn write_and_check_file(dir: &Path, name: &str, len: usize, seed: u64) {
+    let path = dir.join(name);
+    let data = pattern(seed, 0, len);
+    std::fs::write(&path, &data).unwrap();
+    std::fs::File::open(&path).unwrap().sync_all().unwrap();
+    assert!(std::fs::read(&path).unwrap() == data);
+}
+
+/// O_DIRECT round trip through a published block target, checked on the server's file.
+fn block_round_trip(vol: &Volume, offset: u64, seed: u64) {
+    let data = pattern(seed, offset, 256 * 1024);
+    let f = DirectFile::open(&vol.target, true).unwrap();
+    f.write_at(&data, offset).unwrap();
+    f.sync().unwrap();
+    assert!(
+        vol.read_backing(offset, data.len()) == data,
+        "server-side bytes of {} differ",
+        vol.id
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn lifecycle_ext4_xfs_and_block_leaves_nothing_behind() {
+    let mut daemon = NodeDaemon::new("life", CONFIG).unwrap();
+    let mut c = daemon.start(None).await;
+
+    let caps = c
+        .node
+        .node_get_capabilities(NodeGetCapabilitiesRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(caps.capabilities.len(), 5);
+    let info = c
+        .node
+        .node_get_info(NodeGetInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(info.node_id, "life");
+    assert_eq!(info.max_volumes_per_node, 16, "nbds_max of the module");
+    assert_eq!(
+        info.accessible_topology.unwrap().segments["topology.ustor-nbd.csi.mindsw.io/data-plane"],
+        "true"
+    );
+    let socket_mode = std::fs::metadata(&daemon.socket).unwrap();
+    assert_eq!(
+        std::os::unix::fs::PermissionsExt::mode(&socket_mode.permissions()) & 0o777,
+        0o600
+    );
+
+    for (name, cap, size) in [
+        ("vol-ext4", ext4(), 64 * MIB),
+        (
+            "vol-xfs",
+            mount_capability("xfs", Mode::SingleNodeWriter),
+            512 * MIB,
+        ),
+        ("vol-block", block(), 64 * MIB),
+    ] {
+        let vol = Volume::new(&daemon, name, size, cap);
+        vol.up(&mut c).await;
+        // Idempotent repeats.
+        vol.stage(&mut c).await.unwrap();
+        vol.publish(&mut c).await.unwrap();
+        let device = vol
+            .device(&daemon)
+            .expect("a device carries the volume's identifier");
+        assert_eq!(Sysfs::default().scheduler(device).unwrap(), "none");
+        if name == "vol-block" {
+            block_round_trip(&vol, 4 * MIB, 1);
+        } else {
+            assert!(is_mounted(&vol.staging) && is_mounted(&vol.target));
+            write_and_check_file(&vol.target, "hello", 3 * MIB as usize, 2);
+            let fs = mounts::format::probe(&Sysfs::default().dev_path(device)).unwrap();
+            assert_eq!(
+                fs,
+                mounts::Probe::Filesystem(name.trim_start_matches("vol-").into())
+            );
+        }
+        vol.down(&mut c).await;
+        // Idempotent repeats of the teardown.
+        vol.unpublish(&mut c).await.unwrap();
+        vol.unstage(&mut c).await.unwrap();
+        assert!(
+            !vol.target.exists(),
+            "the plugin removes what it created at the target"
+        );
+        assert!(!is_mounted(&vol.staging));
+        assert_eq!(vol.device(&daemon), None);
+    }
+    assert_clean(&daemon);
+
+    // Kubelet's plugin registration answers on its own socket.
+    let channel = testkit::csi::connect(
+        &daemon
+            .registration_dir
+            .join("ustor-nbd.csi.mindsw.io-reg.sock"),
+    )
+    .await
+    .unwrap();
+    let info = csi_proto::registration::registration_client::RegistrationClient::new(channel)
+        .get_info(csi_proto::registration::InfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (info.r#type.as_str(), info.name.as_str()),
+        ("CSIPlugin", "ustor-nbd.csi.mindsw.io")
+    );
+    assert_eq!(Path::new(&info.endpoint), daemon.socket);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn seed_v021_unstage_after_restart_detaches_only_its_own_device() {
+    let mut daemon = NodeDaemon::new("v021", CONFIG).unwrap();
+    let mut c = daemon.start(None).await;
+    let first = Volume::new(
+        &daemon,
+        "blk-first",
+        32 * MIB,
+        block_capability(Mode::SingleNodeSingleWriter),
+    );
+    let second = Volume::new(
+        &daemon,
+        "blk-second",
+        32 * MIB,
+        block_capability(Mode::SingleNodeSingleWriter),
+    );
+    first.up(&mut c).await;
+    second.up(&mut c).await;
+    let (d1, d2) = (
+        first.device(&daemon).unwrap(),
+        second.device(&daemon).unwrap(),
+    );
+    assert_ne!(d1, d2);
+
+    daemon.kill();
+    let mut c = daemon.start(None).await;
+    second.down(&mut c).await;
+
+    assert_eq!(
+        second.device(&daemon),
+        None,
+        "the second volume's device is gone"
+    );
+    assert_eq!(
+        first.device(&daemon),
+        Some(d1),
+        "the first volume keeps its device"
+    );
+    block_round_trip(&first, 0, 21);
+    block_round_trip(&first, 16 * MIB, 22);
+    first.down(&mut c).await;
+    assert_clean(&daemon);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn seed_v022_expand_after_restart_uses_the_staging_path() {
+    let mut daemon = NodeDaemon::new("v022", CONFIG).unwrap();
+    let mut c = daemon.start(None).await;
+    let fs_vol = Volume::new_on(&daemon, "grow-ext4", 64 * MIB, ext4(), Listen::Tcp);
+    let blk_vol = Volume::new_on(&daemon, "grow-block", 64 * MIB, block(), Listen::Tcp);
+    fs_vol.up(&mut c).await;
+    blk_vol.up(&mut c).await;
+    let before = mounts::usage::usage(&fs_vol.target).unwrap().bytes_total;
+
+    daemon.kill();
+    let mut c = daemon.start(None).await;
+    for vol in [&fs_vol, &blk_vol] {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&vol.backing)
+            .unwrap()
+            .set_len(128 * MIB)
+            .unwrap();
+        // Kubelet names the pod's path; the daemon must grow through its staging path.
+        let r = c
+            .node
+            .node_expand_volume(expand_request(
+                &vol.id,
+                &vol.target,
+                &vol.staging,
+                (128 * MIB) as i64,
+            ))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(r.capacity_bytes, (128 * MIB) as i64);
+    }
+    let after = mounts::usage::usage(&fs_vol.target).unwrap().bytes_total;
+    assert!(after > before + 50 * MIB, "ext4 grew: {before} -> {after}");
+    let dev = blk_vol.device(&daemon).unwrap();
+    assert_eq!(Sysfs::default().size_bytes(dev).unwrap(), 128 * MIB);
+    let size_through_target = std::fs::File::open(&blk_vol.target)
+        .and_then(|mut f| std::io::Seek::seek(&mut f, std::io::SeekFrom::End(0)))
+        .unwrap();
+    assert_eq!(
+        size_through_target,
+        128 * MIB,
+        "the pod's block device shows the new size"
+    );
+    write_and_check_file(&fs_vol.target, "after-grow", 80 * MIB as usize, 3);
+
+    fs_vol.down(&mut c).await;
+    blk_vol.down(&mut c).await;
+    assert!(!is_mounted(&fs_vol.staging));
+    assert_clean(&daemon);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn kill_9_under_load_loses_no_io() {
+    let mut daemon = NodeDaemon::new("load", CONFIG).unwrap();
+    let mut c = daemon.start(None).await;
+    let vol = Volume::new(&daemon, "busy", 128 * MIB, ext4());
+    vol.up(&mut c).await;
+
+    let file = vol.target.join("stream");
+    let written = Arc::new(AtomicU64::new(0));
+    let writer = {
+        let (file, written) = (file.clone(), Arc::clone(&written));
+        std::thread::spawn(move || -> std::io::Result<()> {
+            let f = std::fs::File::create(&file)?;
+            for chunk in 0..48u64 {
+                f.write_all_at(&pattern(9, chunk * MIB, MIB as usize), chunk * MIB)?;
+                f.sync_data()?;
+                written.store(chunk + 1, Ordering::SeqCst);
+            }
+            Ok(())
+        })
+    };
+    while written.load(Ordering::SeqCst) < 4 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    daemon.kill();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut c = daemon.start(None).await;
+    assert!(
+        written.load(Ordering::SeqCst) < 48,
+        "the writer was still running across the restart"
+    );
+    tokio::task::spawn_blocking(move || writer.join().unwrap())
+        .await
+        .unwrap()
+        .expect("no I/O error");
+    let data = std::fs::read(&file).unwrap();
+    for chunk in 0..48u64 {
+        let range = (chunk * MIB) as usize..((chunk + 1) * MIB) as usize;
+        assert!(
+            data[range] == pattern(9, chunk * MIB, MIB as usize)[..],
+            "chunk {chunk} intact"
+        );
+    }
+    vol.down(&mut c).await;
+    assert_clean(&daemon);
+}
+
+/// Calls that a crash point interrupts, in lifecycle order.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Call {
+    Stage,
+    Publish,
+    Expand,
+    Unpublish,
+    Unstage,
+}
+
+async fn call(vol: &Volume, c: &mut NodeClients, which: Call) -> Result<(), tonic::Status> {
+    match which {
+        Call::Stage => vol.stage(c).await,
+        Call::Publish => vol.publish(c).await,
+        Call::Expand => c
+            .node
+            .node_expand_volume(expand_request(
+                &vol.id,
+                &vol.target,
+                &vol.staging,
+                (96 * MIB) as i64,
+            ))
+            .await
+            .map(drop),
+        Call::Unpublish => vol.unpublish(c).await,
+        Call::Unstage => vol.unstage(c).await,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn crash_at_every_journal_step_converges() {
+    let points: &[(Call, &str, bool)] = &[
+        (Call::Stage, "journal-before-rename", false),
+        (Call::Stage, "stage-before-connect", false),
+        (Call::Stage, "stage-after-connect", false),
+        (Call::Stage, "stage-before-mkfs", false),
+        (Call::Stage, "stage-after-mkfs", false),
+        (Call::Stage, "stage-after-mount", false),
+        (Call::Stage, "stage-after-connect", true),
+        (Call::Publish, "publish-after-journal", false),
+        (Call::Publish, "publish-after-mount", false),
+        (Call::Publish, "publish-after-mount", true),
+        (Call::Expand, "expand-after-resize", false),
+        (Call::Expand, "expand-after-grow", false),
+        (Call::Unpublish, "unpublish-after-journal", false),
+        (Call::Unpublish, "unpublish-after-unmount", true),
+        (Call::Unstage, "unstage-after-journal", false),
+        (Call::Unstage, "unstage-after-unmount", false),
+        (Call::Unstage, "unstage-after-disconnect", false),
+        (Call::Unstage, "unstage-after-disconnect", true),
+    ];
+    let lifecycle = [
+        Call::Stage,
+        Call::Publish,
+        Call::Expand,
+        Call::Unpublish,
+        Call::Unstage,
+    ];
+    for (n, &(crash_call, point, is_block)) in points.iter().enumerate() {
+        let mut daemon = NodeDaemon::new(&format!("crash{n}"), CONFIG).unwrap();
+        let cap = if is_block { block() } else { ext4() };
+        let vol = Volume::new_on(&daemon, &format!("crash-{n}"), 64 * MIB, cap, Listen::Tcp);
+        let mut c = daemon.start(None).await;
+        for step in lifecycle {
+            if step == Call::Expand {
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(&vol.backing)
+                    .unwrap()
+                    .set_len(96 * MIB)
+                    .unwrap();
+            }
+            if step == crash_call {
+                daemon.kill();
+                let mut armed = daemon.start(Some(point)).await;
+                let err = call(&vol, &mut armed, step)
+                    .await
+                    .expect_err("the daemon dies mid-call");
+                assert_ne!(err.code(), Code::Ok);
+                let exit = daemon.wait_exit(Duration::from_secs(30));
+                assert!(
+                    exit.is_some_and(|s| !s.success()),
+                    "{point}: the daemon crashed at the point"
+                );
+                c = daemon.start(None).await;
+                call(&vol, &mut c, step).await.unwrap_or_else(|e| {
+                    panic!("{point}: repeating {step:?} after the crash: {e:?}")
+                });
+            } else {
+                call(&vol, &mut c, step)
+                    .await
+                    .unwrap_or_else(|e| panic!("{point}: {step:?}: {e:?}"));
+            }
+            if step == Call::Publish && !is_block {
+                write_and_check_file(&vol.target, "data", MIB as usize, n as u64);
+            }
+            if step == Call::Expand {
+                let dev = vol.device(&daemon).unwrap();
+                assert_eq!(
+                    Sysfs::default().size_bytes(dev).unwrap(),
+                    96 * MIB,
+                    "{point}"
+                );
+            }
+        }
+        assert_clean(&daemon);
+        daemon.kill();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn server_restart_is_healed_and_reported_in_stats() {
+    let mut daemon = NodeDaemon::new("heal", CONFIG).unwrap();
+    let mut c = daemon.start(None).await;
+    let mut vol = Volume::new(&daemon, "flaky", 64 * MIB, block());
+    vol.up(&mut c).await;
+    let condition = |c: &mut NodeClients, vol: &Volume| {
+        let mut node = c.node.clone();
+        let req = stats_request(&vol.id, &vol.target);
+        async move {
+            let r = node.node_get_volume_stats(req).await.unwrap().into_inner();
+            assert!(!r.usage.is_empty(), "usage is always reported");
+            r.volume_condition.unwrap()
+        }
+    };
+    assert!(!condition(&mut c, &vol).await.abnormal);
+
+    let done = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (target, done) = (vol.target.clone(), Arc::clone(&done));
+        std::thread::spawn(move || -> std::io::Result<u64> {
+            let f = DirectFile::open(&target, true)?;
+            let mut n = 0u64;
+            while !done.load(Ordering::SeqCst) {
+                let offset = (n % 256) * 64 * 1024;
+                f.write_at(&pattern(n, offset, 64 * 1024), offset)?;
+                n += 1;
+            }
+            f.sync()?;
+            Ok(n)
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    vol.server.kill();
+    let started = Instant::now();
+    loop {
+        let cond = condition(&mut c, &vol).await;
+        if cond.abnormal {
+            assert!(cond.message.contains("lost"), "{}", cond.message);
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "condition never turned abnormal"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    vol.server.start().unwrap();
+    let started = Instant::now();
+    while condition(&mut c, &vol).await.abnormal {
+        assert!(started.elapsed() < Duration::from_secs(60), "never healed");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    done.store(true, Ordering::SeqCst);
+    let writes = tokio::task::spawn_blocking(move || writer.join().unwrap())
+        .await
+        .unwrap()
+        .expect("no I/O error across the server restart");
+    assert!(writes > 0);
+    block_round_trip(&vol, 20 * MIB, 66);
+    vol.down(&mut c).await;
+    assert_clean(&daemon);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn rwx_block_is_staged_on_two_nodes_rwx_mount_is_refused() {
+    let mut node_a = NodeDaemon::new("node-a", CONFIG).unwrap();
+    let mut node_b = NodeDaemon::new("node-b", CONFIG).unwrap();
+    let mut a = node_a.start(None).await;
+    let mut b = node_b.start(None).await;
+    let rwx = block_capability(Mode::MultiNodeMultiWriter);
+    let vol_a = Volume::new(&node_a, "vm-disk", 64 * MIB, rwx.clone());
+    // Node b attaches the same export, under the same volume id.
+    let vol_b = Volume {
+        id: vol_a.id.clone(),
+        backing: vol_a.backing.clone(),
+        server: NbdServer::nbdkit(
+            Listen::Unix,
+            &["file", &format!("file={}", vol_a.backing.display())],
+        )
+        .unwrap(),
+        staging: node_b.scratch().join("staging-vm-disk"),
+        target: node_b.scratch().join("target-vm-disk"),
+        cap: rwx,
+    };
+    std::fs::create_dir_all(&vol_b.staging).unwrap();
+    vol_a.up(&mut a).await;
+    vol_b.up(&mut b).await;
+    let (da, db) = (
+        vol_a.device(&node_a).unwrap(),
+        vol_b.device(&node_b).unwrap(),
+    );
+    assert_ne!(da, db, "two attachments, two devices");
+    // A write through one node's device is read through the other's.
+    let data = pattern(77, 0, 128 * 1024);
+    DirectFile::open(&vol_a.target, true)
+        .unwrap()
+        .write_at(&data, MIB)
+        .unwrap();
+    assert!(
+        DirectFile::open(&vol_b.target, false)
+            .unwrap()
+            .read_at(data.len(), MIB)
+            .unwrap()
+            == data
+    );
+    vol_b.down(&mut b).await;
+    assert_eq!(
+        vol_a.device(&node_a),
+        Some(da),
+        "node a's attachment is untouched"
+    );
+    vol_a.down(&mut a).await;
+    assert_clean(&node_a);
+    assert_clean(&node_b);
+
+    let rwx_mount = Volume::new(
+        &node_a,
+        "rwx-fs",
+        16 * MIB,
+        mount_capability("ext4", Mode::MultiNodeMultiWriter),
+    );
+    let err = rwx_mount.stage(&mut a).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(
+        err.message().contains("volumeMode: Block"),
+        "{}",
+        err.message()
+    );
+    assert_clean(&node_a);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn bad_input_gets_the_spec_code_and_changes_nothing() {
+    let mut daemon = NodeDaemon::new("bad", CONFIG).unwrap();
+    let mut c = daemon.start(None).await;
+    let vol = Volume::new(&daemon, "good", 16 * MIB, ext4());
+    let uri = vol.uri();
+    let staging = vol.staging.clone();
+
+    let mut cases: Vec<(&str, csi_proto::csi::NodeStageVolumeRequest, Code)> = Vec::new();
+    let base = || stage_request("good", &staging, ext4(), &uri);
+    let mut r = base();
+    r.volume_id.clear();
+    cases.push(("missing volume id", r, Code::InvalidArgument));
+    let mut r = base();
+    r.staging_target_path.clear();
+    cases.push(("missing staging path", r, Code::InvalidArgument));
+    let mut r = base();
+    r.volume_capability = None;
+    cases.push(("missing capability", r, Code::InvalidArgument));
+    let mut r = base();
+    r.staging_target_path = "relative/path".into();
+    cases.push(("relative path", r, Code::InvalidArgument));
+    let mut r = base();
+    r.staging_target_path = format!("{}/../escape", staging.display());
+    cases.push(("dot-dot path", r, Code::InvalidArgument));
+    cases.push((
+        "unknown fsType",
+        stage_request(
+            "good",
+            &staging,
+            mount_capability("zfs", Mode::SingleNodeWriter),
+            &uri,
+        ),
+        Code::InvalidArgument,
+    ));
+    cases.push((
+        "bad nbdUri",
+        stage_request("good", &staging, ext4(), "nbds://host/x"),
+        Code::InvalidArgument,
+    ));
+    let mut r = base();
+    r.volume_context.insert("nbdConnection".into(), "2".into());
+    cases.push(("unknown context key", r, Code::InvalidArgument));
+    cases.push((
+        "unknown export",
+        stage_request(
+            "good",
+            &staging,
+            ext4(),
+            "nbd+unix:///?socket=/nonexistent.sock",
+        ),
+        Code::Unavailable,
+    ));
+    for (what, req, code) in cases {
+        let err = c.node.node_stage_volume(req).await.expect_err(what);
+        assert_eq!(err.code(), code, "{what}: {}", err.message());
+        assert!(
+            !err.message().is_empty(),
+            "{what}: a message an operator can act on"
+        );
+    }
+    assert_clean(&daemon);
+
+    let err = vol.publish(&mut c).await.unwrap_err();
+    assert_eq!(
+        err.code(),
+        Code::FailedPrecondition,
+        "publish before stage: {}",
+        err.message()
+    );
+    assert!(!vol.target.exists());
+    vol.unstage(&mut c)
+        .await
+        .expect("unstage of an unknown volume is OK");
+    vol.unpublish(&mut c)
+        .await
+        .expect("unpublish of an unknown volume is OK");
+    let err = c
+        .node
+        .node_get_volume_stats(stats_request("good", &vol.staging))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound);
+    let err = c
+        .node
+        .node_expand_volume(expand_request("good", &vol.staging, &vol.staging, 0))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound);
+
+    // Staged once; then conflicting repeats.
+    vol.stage(&mut c).await.unwrap();
+    let other = daemon.scratch().join("other-staging");
+    std::fs::create_dir_all(&other).unwrap();
+    let err = c
+        .node
+        .node_stage_volume(stage_request("good", &other, ext4(), &uri))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::AlreadyExists);
+    let err = c
+        .node
+        .node_stage_volume(stage_request(
+            "good",
+            &staging,
+            mount_capability("xfs", Mode::SingleNodeWriter),
+            &uri,
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::AlreadyExists);
+    let err = c
+        .node
+        .node_get_volume_stats(stats_request("good", &other))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.code(),
+        Code::NotFound,
+        "stats of a path that is not the volume's"
+    );
+
+    // RWOP: a second target on the same node is refused.
+    let rwop = Volume::new(
+        &daemon,
+        "rwop",
+        16 * MIB,
+        mount_capability("ext4", Mode::SingleNodeSingleWriter),
+    );
+    rwop.up(&mut c).await;
+    let second = daemon.scratch().join("pods/pod-2/volumes/rwop/mount");
+    std::fs::create_dir_all(second.parent().unwrap()).unwrap();
+    let err = c
+        .node
+        .node_publish_volume(publish_request(
+            "rwop",
+            &rwop.staging,
+            &second,
+            rwop.cap.clone(),
+            &rwop.uri(),
+            false,
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    // Unstage while published is refused and detaches nothing.
+    let err = rwop.unstage(&mut c).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    assert!(rwop.device(&daemon).is_some());
+
+    rwop.down(&mut c).await;
+    vol.unstage(&mut c).await.unwrap();
+    assert_clean(&daemon);
+}

@@ -1,0 +1,140 @@
+//! A CSI client over a unix socket, as kubelet and the sidecars talk to the driver, and
+//! request builders for the usual shapes.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use csi_proto::csi::identity_client::IdentityClient;
+use csi_proto::csi::node_client::NodeClient;
+use csi_proto::csi::volume_capability::access_mode::Mode;
+use csi_proto::csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume};
+use csi_proto::csi::*;
+use hyper_util::rt::TokioIo;
+use tonic::transport::{Channel, Endpoint, Uri};
+
+/// Connects to the gRPC server on the unix socket at `path`.
+pub async fn connect(path: &Path) -> Result<Channel, tonic::transport::Error> {
+    let path: PathBuf = path.to_owned();
+    // The URI is required by the API but unused: the connector dials the socket.
+    Endpoint::from_static("http://[::1]:50051")
+        .connect_with_connector(tower::service_fn(move |_: Uri| {
+            let path = path.clone();
+            async move {
+                Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(path).await?))
+            }
+        }))
+        .await
+}
+
+/// Identity and Node clients on one channel.
+#[derive(Debug, Clone)]
+pub struct NodeClients {
+    pub identity: IdentityClient<Channel>,
+    pub node: NodeClient<Channel>,
+}
+
+impl NodeClients {
+    pub async fn connect(path: &Path) -> Result<Self, tonic::transport::Error> {
+        let channel = connect(path).await?;
+        Ok(Self {
+            identity: IdentityClient::new(channel.clone()),
+            node: NodeClient::new(channel),
+        })
+    }
+}
+
+pub fn mount_capability(fs: &str, mode: Mode) -> VolumeCapability {
+    VolumeCapability {
+        access_type: Some(AccessType::Mount(MountVolume {
+            fs_type: fs.into(),
+            mount_flags: Vec::new(),
+            volume_mount_group: String::new(),
+        })),
+        access_mode: Some(AccessMode { mode: mode as i32 }),
+    }
+}
+
+pub fn block_capability(mode: Mode) -> VolumeCapability {
+    VolumeCapability {
+        access_type: Some(AccessType::Block(BlockVolume {})),
+        access_mode: Some(AccessMode { mode: mode as i32 }),
+    }
+}
+
+pub fn context(uri: &str) -> HashMap<String, String> {
+    [("nbdUri".to_owned(), uri.to_owned())].into()
+}
+
+pub fn stage_request(
+    volume: &str,
+    staging: &Path,
+    cap: VolumeCapability,
+    uri: &str,
+) -> NodeStageVolumeRequest {
+    NodeStageVolumeRequest {
+        volume_id: volume.into(),
+        publish_context: HashMap::new(),
+        staging_target_path: staging.display().to_string(),
+        volume_capability: Some(cap),
+        volume_context: context(uri),
+    }
+}
+
+pub fn publish_request(
+    volume: &str,
+    staging: &Path,
+    target: &Path,
+    cap: VolumeCapability,
+    uri: &str,
+    readonly: bool,
+) -> NodePublishVolumeRequest {
+    NodePublishVolumeRequest {
+        volume_id: volume.into(),
+        publish_context: HashMap::new(),
+        staging_target_path: staging.display().to_string(),
+        target_path: target.display().to_string(),
+        volume_capability: Some(cap),
+        readonly,
+        volume_context: context(uri),
+    }
+}
+
+pub fn unpublish_request(volume: &str, target: &Path) -> NodeUnpublishVolumeRequest {
+    NodeUnpublishVolumeRequest {
+        volume_id: volume.into(),
+        target_path: target.display().to_string(),
+    }
+}
+
+pub fn unstage_request(volume: &str, staging: &Path) -> NodeUnstageVolumeRequest {
+    NodeUnstageVolumeRequest {
+        volume_id: volume.into(),
+        staging_target_path: staging.display().to_string(),
+    }
+}
+
+pub fn expand_request(
+    volume: &str,
+    path: &Path,
+    staging: &Path,
+    required: i64,
+) -> NodeExpandVolumeRequest {
+    NodeExpandVolumeRequest {
+        volume_id: volume.into(),
+        volume_path: path.display().to_string(),
+        capacity_range: Some(CapacityRange {
+            required_bytes: required,
+            limit_bytes: 0,
+        }),
+        staging_target_path: staging.display().to_string(),
+        volume_capability: None,
+    }
+}
+
+pub fn stats_request(volume: &str, path: &Path) -> NodeGetVolumeStatsRequest {
+    NodeGetVolumeStatsRequest {
+        volume_id: volume.into(),
+        volume_path: path.display().to_string(),
+        staging_target_path: String::new(),
+    }
+}

@@ -1,0 +1,147 @@
+//! The node daemon as a real child process: started, probed, killed with SIGKILL, restarted
+//! on the same state directory.
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use csi_proto::csi::ProbeRequest;
+
+use crate::csi::NodeClients;
+
+/// The daemon binary: `$USTOR_CSI_NODE_BIN`, else `ustor-csi-node` on PATH.
+pub fn binary() -> PathBuf {
+    std::env::var_os("USTOR_CSI_NODE_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| "ustor-csi-node".into())
+}
+
+#[derive(Debug)]
+pub struct NodeDaemon {
+    pub node_id: String,
+    pub state_dir: PathBuf,
+    pub socket: PathBuf,
+    pub registration_dir: PathBuf,
+    config: PathBuf,
+    child: Option<Child>,
+    dir: tempfile::TempDir,
+}
+
+impl NodeDaemon {
+    /// A daemon with its own state directory and sockets; `config` is extra TOML settings.
+    pub fn new(node_id: &str, config: &str) -> io::Result<Self> {
+        let dir = tempfile::Builder::new().prefix("node-daemon").tempdir()?;
+        let config_path = dir.path().join("node.toml");
+        std::fs::write(&config_path, config)?;
+        Ok(Self {
+            node_id: node_id.to_owned(),
+            state_dir: dir.path().join("state"),
+            socket: dir.path().join("plugin/csi.sock"),
+            registration_dir: dir.path().join("plugins_registry"),
+            config: config_path,
+            child: None,
+            dir,
+        })
+    }
+
+    /// A scratch directory that lives as long as the daemon (for staging and target paths).
+    pub fn scratch(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Starts the daemon (crash points armed if given) and waits until its Probe says ready.
+    pub async fn start(&mut self, failpoints: Option<&str>) -> NodeClients {
+        assert!(self.child.is_none(), "already running");
+        let mut cmd = Command::new(binary());
+        cmd.arg("serve")
+            .arg("--config")
+            .arg(&self.config)
+            .arg("--state-dir")
+            .arg(&self.state_dir)
+            .arg("--node-id")
+            .arg(&self.node_id)
+            .arg("--csi-endpoint")
+            .arg(format!("unix://{}", self.socket.display()))
+            .arg("--registration-dir")
+            .arg(&self.registration_dir)
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+            )
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null());
+        match failpoints {
+            Some(f) => cmd.env("USTOR_FAILPOINTS", f),
+            None => cmd.env_remove("USTOR_FAILPOINTS"),
+        };
+        self.child = Some(
+            cmd.spawn()
+                .unwrap_or_else(|e| panic!("starting {:?}: {e}", binary())),
+        );
+        self.wait_ready().await
+    }
+
+    async fn wait_ready(&mut self) -> NodeClients {
+        let started = Instant::now();
+        loop {
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                panic!("the node daemon exited during start-up: {status}");
+            }
+            if let Ok(mut clients) = NodeClients::connect(&self.socket).await {
+                if let Ok(r) = clients.identity.probe(ProbeRequest {}).await {
+                    if r.into_inner().ready == Some(true) {
+                        return clients;
+                    }
+                }
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "the node daemon did not become ready"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// SIGKILL, as a crash or the OOM killer would.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Waits for the daemon to exit on its own (an armed crash point).
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let started = Instant::now();
+        while started.elapsed() < timeout {
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                self.child = None;
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        None
+    }
+
+    /// Journal records on disk.
+    pub fn journal_files(&self) -> Vec<PathBuf> {
+        std::fs::read_dir(self.state_dir.join("volumes"))
+            .map(|d| d.filter_map(|e| e.ok().map(|e| e.path())).collect())
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for NodeDaemon {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
