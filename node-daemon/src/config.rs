@@ -29,6 +29,7 @@ pub struct FileConfig {
     pub dead_conn_timeout_secs: Option<u64>,
     pub dial_timeout_secs: Option<u64>,
     pub max_volumes: Option<i64>,
+    pub call_patience_secs: Option<u64>,
 }
 
 impl FileConfig {
@@ -61,6 +62,8 @@ pub struct Settings {
     pub dial_timeout: Duration,
     /// Reported to the CO; 0 = no limit.
     pub max_volumes: Option<i64>,
+    /// How long a CSI call waits for another operation on its volume before ABORTED.
+    pub call_patience: Duration,
 }
 
 impl Settings {
@@ -74,6 +77,7 @@ impl Settings {
             dead_conn_timeout: Duration::from_secs(300),
             dial_timeout: Duration::from_secs(10),
             max_volumes: None,
+            call_patience: Duration::from_secs(15),
         }
     }
 
@@ -104,6 +108,9 @@ impl Settings {
         }
         if f.max_volumes.is_some() {
             self.max_volumes = f.max_volumes;
+        }
+        if let Some(s) = f.call_patience_secs {
+            self.call_patience = Duration::from_secs(s);
         }
         Ok(())
     }

@@ -14,8 +14,9 @@ use crate::connections::offer_new_connections;
 use crate::node::{Link, Node};
 use crate::record::Phase;
 
-const FIRST_PAUSE: Duration = Duration::from_millis(100);
-const MAX_PAUSE: Duration = Duration::from_secs(5);
+// A refused dial is cheap: retry often, so I/O resumes soon after the export is back.
+const FIRST_PAUSE: Duration = Duration::from_millis(50);
+const MAX_PAUSE: Duration = Duration::from_secs(1);
 
 /// Volumes with a healing task running, so events for one volume do not pile up tasks.
 #[derive(Debug, Default)]

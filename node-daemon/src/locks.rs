@@ -16,9 +16,6 @@ use crate::error::NodeError;
 
 pub type VolumeGuard = OwnedMutexGuard<()>;
 
-/// How long a CSI call waits for another operation on its volume before ABORTED.
-pub const CALL_PATIENCE: Duration = Duration::from_secs(15);
-
 #[derive(Debug, Default)]
 pub struct VolumeLocks {
     map: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,

@@ -256,7 +256,7 @@ async fn lifecycle_ext4_xfs_and_block_leaves_nothing_behind() {
         .unwrap()
         .into_inner();
     assert_eq!(info.node_id, "life");
-    assert_eq!(info.max_volumes_per_node, 16, "nbds_max of the module");
+    assert_eq!(info.max_volumes_per_node, 128, "nbds_max of the module");
     assert_eq!(
         info.accessible_topology.unwrap().segments["topology.ustor-nbd.csi.mindsw.io/data-plane"],
         "true"
@@ -877,4 +877,310 @@ async fn bad_input_gets_the_spec_code_and_changes_nothing() {
     rwop.down(&mut c).await;
     vol.unstage(&mut c).await.unwrap();
     assert_clean(&daemon);
+}
+
+fn mkfs_ext4(image: &Path) {
+    let out = std::process::Command::new("mkfs.ext4")
+        .arg("-q")
+        .arg(image)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn data_is_never_reformatted_restored_volumes_grow_readonly_is_honoured() {
+    let mut daemon = NodeDaemon::new("fsguard", CONFIG).unwrap();
+    let mut c = daemon.start(None).await;
+    let mut cap = ext4();
+    if let Some(csi_proto::csi::volume_capability::AccessType::Mount(m)) = cap.access_type.as_mut()
+    {
+        m.mount_flags = vec!["noatime".into()];
+    }
+    let vol = Volume::new(&daemon, "keeper", 64 * MIB, cap);
+    vol.up(&mut c).await;
+    write_and_check_file(&vol.target, "keep", MIB as usize, 5);
+    let table = MountTable::read().unwrap();
+    let staging_mount = table.at(&vol.staging).last().unwrap();
+    assert!(
+        staging_mount.options.iter().any(|o| o == "noatime"),
+        "{:?}",
+        staging_mount.options
+    );
+    let stats = c
+        .node
+        .node_get_volume_stats(stats_request(&vol.id, &vol.target))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(stats.usage.len(), 2, "bytes and inodes");
+    assert!(stats.usage.iter().all(|u| u.total > 0 && u.used > 0));
+    vol.down(&mut c).await;
+
+    // As a volume restored from a snapshot into a larger volume: data, and more room.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&vol.backing)
+        .unwrap()
+        .set_len(128 * MIB)
+        .unwrap();
+    vol.up(&mut c).await;
+    assert!(
+        std::fs::read(vol.target.join("keep")).unwrap() == pattern(5, 0, MIB as usize),
+        "not reformatted"
+    );
+    let total = mounts::usage::usage(&vol.target).unwrap().bytes_total;
+    assert!(
+        total > 100 * MIB,
+        "the filesystem grew to its device at stage: {total}"
+    );
+
+    // A second, read-only publish of the same volume.
+    let ro_target = daemon.scratch().join("pods/pod-ro/volumes/keeper/mount");
+    std::fs::create_dir_all(ro_target.parent().unwrap()).unwrap();
+    c.node
+        .node_publish_volume(publish_request(
+            &vol.id,
+            &vol.staging,
+            &ro_target,
+            vol.cap.clone(),
+            &vol.uri(),
+            true,
+        ))
+        .await
+        .unwrap();
+    let err = std::fs::write(ro_target.join("nope"), b"x").unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EROFS), "{err}");
+    assert!(std::fs::read(ro_target.join("keep")).is_ok());
+    c.node
+        .node_unpublish_volume(unpublish_request(&vol.id, &ro_target))
+        .await
+        .unwrap();
+    vol.down(&mut c).await;
+
+    // A device that holds another filesystem is refused, not formatted.
+    let other = Volume::new(
+        &daemon,
+        "holds-ext4",
+        64 * MIB,
+        mount_capability("xfs", Mode::SingleNodeWriter),
+    );
+    mkfs_ext4(&other.backing);
+    let err = other.stage(&mut c).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{}", err.message());
+    assert!(err.message().contains("holds ext4"), "{}", err.message());
+    other.unstage(&mut c).await.unwrap();
+    let probe = std::process::Command::new("blkid")
+        .args(["-p", "-o", "value", "-s", "TYPE"])
+        .arg(&other.backing)
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&probe.stdout).trim(),
+        "ext4",
+        "untouched"
+    );
+    assert_clean(&daemon);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn a_second_call_on_a_busy_volume_is_aborted() {
+    let mut daemon =
+        NodeDaemon::new("busy", "call-patience-secs = 1\ndial-timeout-secs = 6\n").unwrap();
+    let c = daemon.start(None).await;
+    // An export that accepts the connection and never speaks: the first call waits for its dial.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let uri = format!("nbd://127.0.0.1:{}/x", silent.local_addr().unwrap().port());
+    let staging = daemon.scratch().join("staging-busy");
+    std::fs::create_dir_all(&staging).unwrap();
+    let first = {
+        let (mut node, req) = (
+            c.node.clone(),
+            stage_request("slow", &staging, block(), &uri),
+        );
+        tokio::spawn(async move { node.node_stage_volume(req).await })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let err = c
+        .node
+        .clone()
+        .node_stage_volume(stage_request("slow", &staging, block(), &uri))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Aborted, "{}", err.message());
+    let err = first.await.unwrap().unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{}", err.message());
+    assert_clean(&daemon);
+    drop(silent);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn a_torn_record_is_quarantined_and_rebuilt_from_kernel_facts() {
+    let mut daemon = NodeDaemon::new("torn", CONFIG).unwrap();
+    let mut c = daemon.start(None).await;
+    let vol = Volume::new(&daemon, "torn-vol", 64 * MIB, ext4());
+    vol.up(&mut c).await;
+    write_and_check_file(&vol.target, "before", MIB as usize, 8);
+    daemon.kill();
+    let record = daemon.journal_files().pop().unwrap();
+    let bytes = std::fs::read(&record).unwrap();
+    std::fs::write(&record, &bytes[..bytes.len() / 2]).unwrap();
+
+    let mut c = daemon.start(None).await;
+    let report: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(daemon.state_dir.join("recovery.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        report["quarantined"].as_array().unwrap().len(),
+        1,
+        "{report}"
+    );
+    assert_eq!(report["rebuilt"].as_array().unwrap().len(), 1, "{report}");
+    assert!(
+        std::fs::read_dir(daemon.state_dir.join("quarantine"))
+            .unwrap()
+            .count()
+            == 1
+    );
+    // The next publish brings the export back into the record; then the usual teardown.
+    vol.publish(&mut c).await.unwrap();
+    assert!(std::fs::read(vol.target.join("before")).unwrap() == pattern(8, 0, MIB as usize));
+    vol.down(&mut c).await;
+    assert_clean(&daemon);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn links_the_kernel_drops_or_the_network_swallows_are_healed() {
+    const TOTAL: u64 = 24 * MIB;
+    const CHUNK: usize = 64 * 1024;
+    let mut daemon = NodeDaemon::new("drops", CONFIG).unwrap();
+    let mut c = daemon.start(None).await;
+    let backing = daemon.scratch().join("drops.img");
+    std::fs::File::create(&backing)
+        .unwrap()
+        .set_len(64 * MIB)
+        .unwrap();
+    let server = NbdServer::nbdkit(
+        Listen::Tcp,
+        &["file", &format!("file={}", backing.display())],
+    )
+    .unwrap();
+    let nbd::uri::Endpoint::Tcp { port, .. } = server.uri().endpoint().clone() else {
+        unreachable!()
+    };
+    let proxy = testkit::proxy::NbdProxy::start(([127, 0, 0, 1], port).into())
+        .await
+        .unwrap();
+    let uri = proxy.uri("").to_string();
+    let cap = block();
+    let staging = daemon.scratch().join("staging-drops");
+    let target = daemon.scratch().join("publish/drops");
+    std::fs::create_dir_all(&staging).unwrap();
+    std::fs::create_dir_all(target.parent().unwrap()).unwrap();
+    c.node
+        .node_stage_volume(stage_request("drops", &staging, cap.clone(), &uri))
+        .await
+        .unwrap();
+    c.node
+        .node_publish_volume(publish_request(
+            "drops", &staging, &target, cap, &uri, false,
+        ))
+        .await
+        .unwrap();
+    assert_eq!(proxy.accepted(), 1);
+
+    let written = Arc::new(AtomicU64::new(0));
+    let writer = {
+        let (target, written) = (target.clone(), Arc::clone(&written));
+        std::thread::spawn(move || -> std::io::Result<()> {
+            let f = DirectFile::open(&target, true)?;
+            let mut offset = 0;
+            while offset < TOTAL {
+                f.write_at(&pattern(4, offset, CHUNK), offset)?;
+                offset += CHUNK as u64;
+                written.store(offset, Ordering::SeqCst);
+                // Slow enough that both faults land while it writes.
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            f.sync()
+        })
+    };
+    let wait_for = |bytes: u64| {
+        let written = Arc::clone(&written);
+        async move {
+            while written.load(Ordering::SeqCst) < bytes {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    };
+    wait_for(2 * MIB).await;
+    // "Unexpected reply": the kernel kills the connection itself.
+    proxy.inject_unexpected_reply().await;
+    heal_wait(&mut c, &proxy, &target, 2).await;
+    wait_for(10 * MIB).await;
+    // A network that swallows everything: requests time out, the kernel gives up the link.
+    proxy.blackhole_open_connections();
+    heal_wait(&mut c, &proxy, &target, 3).await;
+
+    tokio::task::spawn_blocking(move || writer.join().unwrap())
+        .await
+        .unwrap()
+        .expect("the writer saw no I/O error");
+    let mut data = vec![0u8; TOTAL as usize];
+    std::fs::File::open(&backing)
+        .unwrap()
+        .read_exact_at(&mut data, 0)
+        .unwrap();
+    for offset in (0..TOTAL).step_by(CHUNK) {
+        let o = offset as usize;
+        assert!(
+            data[o..o + CHUNK] == pattern(4, offset, CHUNK)[..],
+            "data at {offset}"
+        );
+    }
+    c.node
+        .node_unpublish_volume(unpublish_request("drops", &target))
+        .await
+        .unwrap();
+    c.node
+        .node_unstage_volume(unstage_request("drops", &staging))
+        .await
+        .unwrap();
+    assert_clean(&daemon);
+}
+
+/// Waits until the proxy has seen `connections` connections (the healer redialled) and the
+/// volume's condition is normal again.
+async fn heal_wait(
+    c: &mut NodeClients,
+    proxy: &testkit::proxy::NbdProxy,
+    target: &Path,
+    connections: usize,
+) {
+    let started = Instant::now();
+    loop {
+        let r = c
+            .node
+            .node_get_volume_stats(stats_request("drops", target))
+            .await
+            .unwrap()
+            .into_inner();
+        if proxy.accepted() >= connections && !r.volume_condition.unwrap().abnormal {
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "not healed (proxy accepted {} connections)",
+            proxy.accepted()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }

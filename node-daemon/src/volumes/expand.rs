@@ -13,7 +13,6 @@ use nbd::sysfs::ProvenDevice;
 use crate::connections;
 use crate::error::NodeError;
 use crate::ids::VolumeId;
-use crate::locks::CALL_PATIENCE;
 use crate::node::{blocking, export_uri, Node};
 use crate::record::{Access, Phase, Record};
 use crate::volumes::stage::staging_path;
@@ -30,7 +29,7 @@ impl Node {
         self.ensure_ready()?;
         let _guard = self
             .locks
-            .lock_within(req.volume.as_str(), CALL_PATIENCE)
+            .lock_within(req.volume.as_str(), self.settings.call_patience)
             .await?;
         let mut record = self.record(req.volume.as_str()).ok_or_else(|| {
             NodeError::NotFound(format!("volume {} is not staged on this node", req.volume))

@@ -7,7 +7,6 @@ use mounts::MountTable;
 
 use crate::error::NodeError;
 use crate::ids::{Identifier, VolumeId};
-use crate::locks::CALL_PATIENCE;
 use crate::node::{device_numbers, Node};
 use crate::record::{Access, Export, Phase, Record, Target, TargetPhase};
 use crate::request::Capability;
@@ -30,7 +29,7 @@ impl Node {
         self.ensure_ready()?;
         let _guard = self
             .locks
-            .lock_within(req.volume.as_str(), CALL_PATIENCE)
+            .lock_within(req.volume.as_str(), self.settings.call_patience)
             .await?;
         let mut record = self.record(req.volume.as_str()).ok_or_else(|| {
             NodeError::FailedPrecondition(format!(
@@ -162,7 +161,7 @@ impl Node {
         self.ensure_ready()?;
         let _guard = self
             .locks
-            .lock_within(volume.as_str(), CALL_PATIENCE)
+            .lock_within(volume.as_str(), self.settings.call_patience)
             .await?;
         let Some(mut record) = self.record(volume.as_str()) else {
             return self.unpublish_unknown(volume, target);

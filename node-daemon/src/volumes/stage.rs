@@ -13,7 +13,6 @@ use nbd::attach;
 use crate::connections::tcp_pairs;
 use crate::error::NodeError;
 use crate::ids::{Identifier, VolumeId};
-use crate::locks::CALL_PATIENCE;
 use crate::node::{
     blocking, device_numbers, export_uri, flush_device, identifier, Node, RELEASE_TIMEOUT,
 };
@@ -37,7 +36,7 @@ impl Node {
         self.ensure_ready()?;
         let _guard = self
             .locks
-            .lock_within(req.volume.as_str(), CALL_PATIENCE)
+            .lock_within(req.volume.as_str(), self.settings.call_patience)
             .await?;
         let existing = match self.record(req.volume.as_str()) {
             // A teardown a crash interrupted is finished before staging anew.
@@ -307,7 +306,7 @@ impl Node {
         self.ensure_ready()?;
         let _guard = self
             .locks
-            .lock_within(volume.as_str(), CALL_PATIENCE)
+            .lock_within(volume.as_str(), self.settings.call_patience)
             .await?;
         let Some(mut record) = self.record(volume.as_str()) else {
             return Ok(());

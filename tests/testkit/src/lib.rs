@@ -6,6 +6,7 @@
 pub mod csi;
 pub mod daemon;
 mod direct;
+pub mod proxy;
 mod server;
 
 pub use direct::{pattern, AlignedBuf, DirectFile};
