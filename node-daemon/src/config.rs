@@ -15,6 +15,8 @@ pub const DEFAULT_CSI_ENDPOINT: &str =
 pub const DEFAULT_STATE_DIR: &str = "/var/lib/ustor-csi";
 pub const DEFAULT_REGISTRATION_DIR: &str = "/var/lib/kubelet/plugins_registry";
 pub const DEFAULT_CONFIG: &str = "/etc/ustor-csi/node.toml";
+/// Loopback only by default: opening it to the cluster is the operator's choice.
+pub const DEFAULT_METRICS_ADDRESS: &str = "127.0.0.1:9809";
 
 /// The file form: every key optional, names as in the flags.
 #[derive(Debug, Default, Deserialize)]
@@ -30,6 +32,8 @@ pub struct FileConfig {
     pub dial_timeout_secs: Option<u64>,
     pub max_volumes: Option<i64>,
     pub call_patience_secs: Option<u64>,
+    /// `host:port` for `/metrics`; empty disables it.
+    pub metrics_address: Option<String>,
 }
 
 impl FileConfig {
@@ -64,6 +68,8 @@ pub struct Settings {
     pub max_volumes: Option<i64>,
     /// How long a CSI call waits for another operation on its volume before ABORTED.
     pub call_patience: Duration,
+    /// Where `/metrics` is served; `None` disables it.
+    pub metrics_address: Option<std::net::SocketAddr>,
 }
 
 impl Settings {
@@ -78,6 +84,11 @@ impl Settings {
             dial_timeout: Duration::from_secs(10),
             max_volumes: None,
             call_patience: Duration::from_secs(15),
+            metrics_address: Some(
+                DEFAULT_METRICS_ADDRESS
+                    .parse()
+                    .unwrap_or_else(|_| ([127, 0, 0, 1], 9809).into()),
+            ),
         }
     }
 
@@ -112,8 +123,21 @@ impl Settings {
         if let Some(s) = f.call_patience_secs {
             self.call_patience = Duration::from_secs(s);
         }
+        if let Some(a) = f.metrics_address {
+            self.metrics_address = metrics_address(&a)?;
+        }
         Ok(())
     }
+}
+
+/// `host:port` to serve metrics on; empty means off.
+pub fn metrics_address(raw: &str) -> anyhow::Result<Option<std::net::SocketAddr>> {
+    if raw.is_empty() {
+        return Ok(None);
+    }
+    raw.parse().map(Some).map_err(|e| {
+        anyhow::anyhow!("metrics address {raw:?}: {e} (expected ip:port, or empty to disable)")
+    })
 }
 
 /// `unix:///path` (or a bare absolute path) to the socket path.

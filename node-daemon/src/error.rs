@@ -32,7 +32,8 @@ impl NodeError {
         NodeError::InvalidArgument(msg.into())
     }
 
-    fn code(&self) -> Code {
+    /// The gRPC code this error is answered with.
+    pub fn code(&self) -> Code {
         match self {
             NodeError::InvalidArgument(_) => Code::InvalidArgument,
             NodeError::NotFound(_) => Code::NotFound,

@@ -36,6 +36,7 @@ impl Healer {
                 match events.next().await {
                     Some(Ok(index)) => match node.record_by_device(index) {
                         Some(record) => {
+                            node.metrics.link_dead.inc();
                             tracing::warn!(volume = %record.volume_id, device = %index, "link dead; reconnecting");
                             Arc::clone(&self).heal(Arc::clone(&node), record.volume_id, true);
                         }
@@ -96,7 +97,11 @@ impl Healer {
             let mut attempts = 0u32;
             loop {
                 attempts += 1;
-                match Self::attempt(&node, &volume).await {
+                let outcome = Self::attempt(&node, &volume).await;
+                if !matches!(outcome, Ok(false)) {
+                    node.metrics.heal_attempt(outcome.is_ok());
+                }
+                match outcome {
                     Ok(true) => {
                         if known_dead {
                             tracing::info!(%volume, attempts, downtime_ms = since.elapsed().as_millis() as u64, "link healed");

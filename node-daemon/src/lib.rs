@@ -15,6 +15,7 @@ pub mod healer;
 pub mod ids;
 pub mod journal;
 pub mod locks;
+pub mod metrics;
 pub mod node;
 pub mod record;
 pub mod recovery;

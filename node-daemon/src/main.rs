@@ -46,6 +46,9 @@ enum Command {
         /// Seconds I/O waits for a dead connection to be replaced before failing.
         #[arg(long)]
         dead_conn_timeout: Option<u64>,
+        /// ip:port to serve Prometheus /metrics on ("" disables it).
+        #[arg(long)]
+        metrics_address: Option<String>,
         /// Log as JSON lines instead of text.
         #[arg(long)]
         log_json: bool,
@@ -96,6 +99,7 @@ fn main() -> Result<()> {
             registration_dir,
             no_kubelet_registration,
             dead_conn_timeout,
+            metrics_address,
             log_json,
         } => {
             init_logging(log_json);
@@ -115,6 +119,9 @@ fn main() -> Result<()> {
             }
             if let Some(t) = dead_conn_timeout {
                 s.dead_conn_timeout = std::time::Duration::from_secs(t);
+            }
+            if let Some(a) = metrics_address {
+                s.metrics_address = config::metrics_address(&a)?;
             }
             tokio::runtime::Builder::new_multi_thread()
                 .enable_all()

@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use nbd::attach::AttachOptions;
@@ -18,6 +18,7 @@ use crate::config::Settings;
 use crate::error::NodeError;
 use crate::journal::Journal;
 use crate::locks::VolumeLocks;
+use crate::metrics::Metrics;
 use crate::record::{Export, Record};
 
 /// Health of a volume's link to its export, as the healer last saw it.
@@ -32,6 +33,7 @@ pub enum Link {
 
 pub struct Node {
     pub settings: Settings,
+    pub metrics: Arc<Metrics>,
     pub(crate) journal: Journal,
     pub(crate) nl: NbdNetlink,
     pub(crate) sysfs: Sysfs,
@@ -58,6 +60,7 @@ impl Node {
     pub fn new(settings: Settings, journal: Journal, nl: NbdNetlink, sysfs: Sysfs) -> Self {
         Self {
             settings,
+            metrics: Arc::default(),
             journal,
             nl,
             sysfs,
@@ -105,21 +108,29 @@ impl Node {
     /// Journals `record` durably, then makes it the in-memory truth.
     pub(crate) fn save(&self, record: &Record) -> Result<(), NodeError> {
         self.journal.write(record)?;
-        lock(&self.records).insert(record.volume_id.clone(), record.clone());
+        let mut records = lock(&self.records);
+        records.insert(record.volume_id.clone(), record.clone());
+        self.metrics.volumes.set(records.len() as i64);
         Ok(())
     }
 
     /// Forgets the volume, journal first.
     pub(crate) fn forget(&self, volume: &str) -> Result<(), NodeError> {
         self.journal.remove(volume)?;
-        lock(&self.records).remove(volume);
+        let mut records = lock(&self.records);
+        records.remove(volume);
+        self.metrics.volumes.set(records.len() as i64);
+        drop(records);
+        self.set_link(volume, Link::Up);
         lock(&self.links).remove(volume);
         Ok(())
     }
 
     /// Loads records without journaling them again (recovery).
     pub(crate) fn adopt(&self, record: Record) {
-        lock(&self.records).insert(record.volume_id.clone(), record);
+        let mut records = lock(&self.records);
+        records.insert(record.volume_id.clone(), record);
+        self.metrics.volumes.set(records.len() as i64);
     }
 
     pub fn link(&self, volume: &str) -> Link {
@@ -127,7 +138,13 @@ impl Node {
     }
 
     pub(crate) fn set_link(&self, volume: &str, link: Link) {
-        lock(&self.links).insert(volume.to_owned(), link);
+        let mut links = lock(&self.links);
+        links.insert(volume.to_owned(), link);
+        let down = links
+            .values()
+            .filter(|l| matches!(l, Link::Down { .. }))
+            .count();
+        self.metrics.links_down.set(down as i64);
     }
 
     pub(crate) fn attach_options(&self, identifier: BackendId, export: &Export) -> AttachOptions {

@@ -63,6 +63,9 @@ pub async fn recover(node: &Node) -> Result<Report, NodeError> {
             .push(format!("rebuilding from kernel facts: {e}"));
     }
     write_report(node, &report);
+    node.metrics
+        .unreconciled
+        .set(report.unreconciled.len() as i64);
     node.set_ready();
     Ok(report)
 }

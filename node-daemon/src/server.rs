@@ -68,6 +68,14 @@ pub async fn run(settings: Settings) -> Result<()> {
         tracing::error!(problem, "not reconciled");
     }
 
+    if let Some(addr) = settings.metrics_address {
+        let metrics = Arc::clone(&node.metrics);
+        tokio::spawn(async move {
+            if let Err(e) = crate::metrics::serve(metrics, addr).await {
+                tracing::error!(%addr, error = %e, "metrics endpoint failed");
+            }
+        });
+    }
     let healer = Arc::new(Healer::default());
     let healing = Arc::clone(&healer).spawn(Arc::clone(&node), events);
     healer.refresh_all(&node);

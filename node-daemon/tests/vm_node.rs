@@ -650,6 +650,15 @@ async fn server_restart_is_healed_and_reported_in_stats() {
         .expect("no I/O error across the server restart");
     assert!(writes > 0);
     block_round_trip(&vol, 20 * MIB, 66);
+    let metrics = daemon.scrape().await;
+    assert!(
+        metrics.contains("ustor_csi_node_link_dead_events_total 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(r#"ustor_csi_node_link_heals_total{result="ok"}"#),
+        "{metrics}"
+    );
     vol.down(&mut c).await;
     assert_clean(&daemon);
 }

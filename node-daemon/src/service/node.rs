@@ -40,7 +40,15 @@ impl NodeService {
         F: std::future::Future<Output = Result<T, NodeError>>,
     {
         let span = tracing::info_span!("csi", op, volume_id, device = tracing::field::Empty);
+        let started = std::time::Instant::now();
         let result = f.instrument(span.clone()).await;
+        let code = match &result {
+            Ok(_) => tonic::Code::Ok,
+            Err(e) => e.code(),
+        };
+        self.node
+            .metrics
+            .observe_call(op, code, started.elapsed().as_secs_f64());
         if let Some(index) = self.node.record(volume_id).and_then(|r| r.device) {
             span.record("device", format!("/dev/nbd{index}"));
         }

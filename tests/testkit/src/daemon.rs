@@ -23,6 +23,8 @@ pub struct NodeDaemon {
     pub state_dir: PathBuf,
     pub socket: PathBuf,
     pub registration_dir: PathBuf,
+    /// Where the daemon serves `/metrics`.
+    pub metrics: std::net::SocketAddr,
     config: PathBuf,
     child: Option<Child>,
     dir: tempfile::TempDir,
@@ -33,12 +35,17 @@ impl NodeDaemon {
     pub fn new(node_id: &str, config: &str) -> io::Result<Self> {
         let dir = tempfile::Builder::new().prefix("node-daemon").tempdir()?;
         let config_path = dir.path().join("node.toml");
-        std::fs::write(&config_path, config)?;
+        let metrics = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+        std::fs::write(
+            &config_path,
+            format!("{config}\nmetrics-address = \"{metrics}\"\n"),
+        )?;
         Ok(Self {
             node_id: node_id.to_owned(),
             state_dir: dir.path().join("state"),
             socket: dir.path().join("plugin/csi.sock"),
             registration_dir: dir.path().join("plugins_registry"),
+            metrics,
             config: config_path,
             child: None,
             dir,
@@ -130,6 +137,20 @@ impl NodeDaemon {
             std::thread::sleep(Duration::from_millis(10));
         }
         None
+    }
+
+    /// The daemon's `/metrics` text.
+    pub async fn scrape(&self) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(self.metrics)
+            .await
+            .expect("metrics endpoint");
+        s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
+            .await
+            .expect("request");
+        let mut text = String::new();
+        s.read_to_string(&mut text).await.expect("response");
+        text
     }
 
     /// Journal records on disk.

@@ -1,0 +1,173 @@
+//! Prometheus metrics, served as text on `--metrics-address` (`/metrics`).
+//!
+//! Labels carry the CSI method and outcome, never a volume id: per-volume series would grow
+//! without bound on a busy node, and `ustor-csi-node status` answers per-volume questions.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+type Labels = Vec<(&'static str, String)>;
+
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    requests: Family<Labels, Counter>,
+    durations: Family<Labels, Histogram, fn() -> Histogram>,
+    /// Volumes with a journal record on this node.
+    pub volumes: Gauge,
+    /// Volumes whose link is down right now.
+    pub links_down: Gauge,
+    /// LINK_DEAD events for this node's devices.
+    pub link_dead: Counter,
+    heals: Family<Labels, Counter>,
+    /// What the last start-up could not reconcile.
+    pub unreconciled: Gauge,
+}
+
+fn buckets() -> Histogram {
+    // 5 ms to ~80 s: from an idempotent repeat to a large mkfs.
+    Histogram::new(exponential_buckets(0.005, 2.0, 15))
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut registry = Registry::with_prefix("ustor_csi_node");
+        let requests = Family::<Labels, Counter>::default();
+        let durations =
+            Family::<Labels, Histogram, fn() -> Histogram>::new_with_constructor(buckets);
+        let volumes = Gauge::default();
+        let links_down = Gauge::default();
+        let link_dead = Counter::default();
+        let heals = Family::<Labels, Counter>::default();
+        let unreconciled = Gauge::default();
+        registry.register(
+            "requests",
+            "CSI calls by method and gRPC code",
+            requests.clone(),
+        );
+        registry.register(
+            "request_duration_seconds",
+            "CSI call latency by method",
+            durations.clone(),
+        );
+        registry.register(
+            "volumes",
+            "Volumes staged or being staged on this node",
+            volumes.clone(),
+        );
+        registry.register(
+            "links_down",
+            "Volumes whose connection to the export is down now",
+            links_down.clone(),
+        );
+        registry.register(
+            "link_dead_events",
+            "LINK_DEAD events for this node's devices",
+            link_dead.clone(),
+        );
+        registry.register("link_heals", "Reconnect attempts by result", heals.clone());
+        registry.register(
+            "recovery_unreconciled",
+            "Problems the last start-up could not reconcile",
+            unreconciled.clone(),
+        );
+        Self {
+            registry,
+            requests,
+            durations,
+            volumes,
+            links_down,
+            link_dead,
+            heals,
+            unreconciled,
+        }
+    }
+}
+
+impl Metrics {
+    pub fn observe_call(&self, method: &'static str, code: tonic::Code, seconds: f64) {
+        self.requests
+            .get_or_create(&vec![
+                ("method", method.to_owned()),
+                ("code", format!("{code:?}")),
+            ])
+            .inc();
+        self.durations
+            .get_or_create(&vec![("method", method.to_owned())])
+            .observe(seconds);
+    }
+
+    pub fn heal_attempt(&self, ok: bool) {
+        let result = if ok { "ok" } else { "error" };
+        self.heals
+            .get_or_create(&vec![("result", result.to_owned())])
+            .inc();
+    }
+
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+}
+
+/// Serves `/metrics` until the process ends.
+pub async fn serve(metrics: Arc<Metrics>, addr: SocketAddr) -> anyhow::Result<()> {
+    use axum::routing::get;
+    let app = axum::Router::new().route(
+        "/metrics",
+        get(move || {
+            let metrics = Arc::clone(&metrics);
+            async move {
+                (
+                    [(
+                        axum::http::header::CONTENT_TYPE,
+                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                    )],
+                    metrics.render(),
+                )
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    tracing::info!(%addr, "serving metrics");
+    axum::serve(listener, app).await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_what_was_observed() {
+        let m = Metrics::default();
+        m.observe_call("NodeStageVolume", tonic::Code::Ok, 0.2);
+        m.observe_call("NodeStageVolume", tonic::Code::InvalidArgument, 0.001);
+        m.volumes.set(3);
+        m.heal_attempt(true);
+        let text = m.render();
+        assert!(
+            text.contains(r#"ustor_csi_node_requests_total{method="NodeStageVolume",code="Ok"} 1"#),
+            "{text}"
+        );
+        assert!(text.contains(r#"code="InvalidArgument"} 1"#), "{text}");
+        assert!(text.contains("ustor_csi_node_volumes 3"), "{text}");
+        assert!(
+            text.contains(r#"ustor_csi_node_link_heals_total{result="ok"} 1"#),
+            "{text}"
+        );
+        assert!(
+            text.contains("ustor_csi_node_request_duration_seconds_bucket"),
+            "{text}"
+        );
+    }
+}
