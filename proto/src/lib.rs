@@ -1,7 +1,7 @@
 //! gRPC types and services generated from `proto/`: the CSI spec (package `csi.v1`) and
 //! kubelet's plugin registration API.
 
-/// CSI v1.12: Identity and Node (the parts this driver serves).
+/// CSI v1.12: Identity, Controller and Node (the parts this driver serves).
 #[allow(clippy::all, missing_docs, missing_debug_implementations)]
 pub mod csi {
     tonic::include_proto!("csi.v1");

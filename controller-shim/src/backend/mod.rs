@@ -1,0 +1,75 @@
+//! Storage backends: one trait, a local directory of image files (the embedded default) and,
+//! later, the uStor management API.
+
+pub mod local;
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::ControllerError;
+
+/// What a new volume is filled from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", content = "image", rename_all = "snake_case")]
+pub enum Source {
+    Snapshot(String),
+    Volume(String),
+}
+
+/// What CreateVolume asked for, kept so a repeated call can be told from a clash, and which
+/// nodes the volume is published to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeMeta {
+    pub name: String,
+    pub size: u64,
+    pub parameters: BTreeMap<String, String>,
+    pub source: Option<Source>,
+    /// Node id → published read-only.
+    #[serde(default)]
+    pub published: BTreeMap<String, bool>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotMeta {
+    pub name: String,
+    pub source_image: String,
+    pub size: u64,
+    /// Seconds since the Unix epoch.
+    pub created: i64,
+}
+
+#[tonic::async_trait]
+pub trait Backend: Send + Sync + fmt::Debug {
+    /// Short name, the first part of every id.
+    fn name(&self) -> &'static str;
+    /// Sizes are rounded up to a multiple of this.
+    fn granularity(&self) -> u64;
+    /// The NBD URI nodes attach the image through.
+    fn export_uri(&self, image: &str) -> String;
+
+    async fn volume(&self, image: &str) -> Result<Option<VolumeMeta>, ControllerError>;
+    /// Creates the image (empty, or filled from `meta.source`) and records `meta`.
+    async fn create_volume(&self, image: &str, meta: &VolumeMeta) -> Result<(), ControllerError>;
+    /// Records a changed `meta` (publications) without touching data.
+    async fn update_volume(&self, image: &str, meta: &VolumeMeta) -> Result<(), ControllerError>;
+    /// Idempotent.
+    async fn delete_volume(&self, image: &str) -> Result<(), ControllerError>;
+    /// Grows the image; never shrinks.
+    async fn grow_volume(&self, image: &str, size: u64) -> Result<(), ControllerError>;
+
+    async fn snapshot(&self, image: &str) -> Result<Option<SnapshotMeta>, ControllerError>;
+    async fn create_snapshot(
+        &self,
+        image: &str,
+        meta: &SnapshotMeta,
+    ) -> Result<(), ControllerError>;
+    /// Idempotent.
+    async fn delete_snapshot(&self, image: &str) -> Result<(), ControllerError>;
+    /// Every snapshot, by image name.
+    async fn snapshots(&self) -> Result<Vec<(String, SnapshotMeta)>, ControllerError>;
+
+    /// Bytes available for new volumes, if the backend can tell.
+    async fn capacity(&self) -> Result<Option<u64>, ControllerError>;
+}

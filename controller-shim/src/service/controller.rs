@@ -1,0 +1,669 @@
+//! CSI Controller over a [`Backend`]: provisioning, publication bookkeeping, snapshots,
+//! expansion. Every call validates its input first and answers with the spec's codes.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use csi_proto::csi::controller_server::Controller;
+use csi_proto::csi::controller_service_capability::rpc::Type as Rpc;
+use csi_proto::csi::controller_service_capability::{Rpc as RpcCap, Type as CapType};
+use csi_proto::csi::volume_capability::access_mode::Mode;
+use csi_proto::csi::volume_capability::AccessType;
+use csi_proto::csi::volume_content_source::{SnapshotSource, Type as SourceType, VolumeSource};
+use csi_proto::csi::*;
+use tokio::sync::Mutex;
+use tonic::{Request, Response, Status};
+
+use crate::backend::{Backend, SnapshotMeta, Source, VolumeMeta};
+use crate::error::ControllerError;
+use crate::ids::{image_for, Handle, Kind};
+
+/// Topology segment every node running the node service reports.
+pub const TOPOLOGY_KEY: &str = "topology.ustor-nbd.csi.mindsw.io/data-plane";
+/// Size of a volume whose claim names none.
+pub const DEFAULT_SIZE: u64 = 1 << 30;
+
+/// Parameters a StorageClass may set. Kubernetes' own (`csi.storage.k8s.io/…`) pass too.
+const PARAMETERS: &[&str] = &["pool", "nbdConnections"];
+
+#[derive(Debug)]
+pub struct ControllerService {
+    backend: Arc<dyn Backend>,
+    cluster_id: String,
+    /// One mutating call at a time: the sidecars retry, and correctness beats parallelism here.
+    serial: Mutex<()>,
+}
+
+impl ControllerService {
+    pub fn new(backend: Arc<dyn Backend>, cluster_id: String) -> Self {
+        Self {
+            backend,
+            cluster_id,
+            serial: Mutex::new(()),
+        }
+    }
+
+    fn volume_handle(&self, raw: &str) -> Result<Handle, ControllerError> {
+        Handle::parse(raw, self.backend.name(), Kind::Volume)
+    }
+
+    fn snapshot_handle(&self, raw: &str) -> Result<Handle, ControllerError> {
+        Handle::parse(raw, self.backend.name(), Kind::Snapshot)
+    }
+
+    async fn existing_volume(&self, h: &Handle) -> Result<VolumeMeta, ControllerError> {
+        self.backend
+            .volume(&h.image)
+            .await?
+            .ok_or_else(|| ControllerError::NotFound(format!("volume {h} does not exist")))
+    }
+
+    fn round(&self, bytes: u64) -> u64 {
+        let g = self.backend.granularity();
+        bytes.div_ceil(g) * g
+    }
+
+    /// The size to provision for a capacity range, rounded to the backend's granularity.
+    fn size_for(
+        &self,
+        range: Option<&CapacityRange>,
+        minimum: u64,
+    ) -> Result<u64, ControllerError> {
+        let (required, limit) = range.map_or((0, 0), |r| (r.required_bytes, r.limit_bytes));
+        if required < 0 || limit < 0 {
+            return Err(ControllerError::invalid(
+                "capacity_range must not be negative",
+            ));
+        }
+        let (required, limit) = (required as u64, limit as u64);
+        if limit > 0 && required > limit {
+            return Err(ControllerError::OutOfRange(format!(
+                "required_bytes {required} exceeds limit_bytes {limit}"
+            )));
+        }
+        let wanted = if required == 0 {
+            DEFAULT_SIZE.max(minimum)
+        } else {
+            required.max(minimum)
+        };
+        let wanted = if limit > 0 && required == 0 {
+            wanted.min(limit).max(minimum)
+        } else {
+            wanted
+        };
+        let size = self.round(wanted);
+        if limit > 0 && size > limit {
+            return Err(ControllerError::OutOfRange(format!(
+                "{wanted} bytes rounded to the backend's {} byte granularity is {size}, over limit_bytes {limit}",
+                self.backend.granularity()
+            )));
+        }
+        Ok(size)
+    }
+
+    fn volume_response(&self, image: &str, meta: &VolumeMeta) -> Volume {
+        let mut context = HashMap::from([("nbdUri".to_owned(), self.backend.export_uri(image))]);
+        if let Some(n) = meta.parameters.get("nbdConnections") {
+            context.insert("nbdConnections".into(), n.clone());
+        }
+        Volume {
+            capacity_bytes: meta.size as i64,
+            volume_id: Handle::new(self.backend.name(), Kind::Volume, image.to_owned()).to_string(),
+            volume_context: context,
+            content_source: meta.source.as_ref().map(|s| self.content_source(s)),
+            accessible_topology: vec![Topology {
+                segments: [(TOPOLOGY_KEY.to_owned(), "true".to_owned())].into(),
+            }],
+        }
+    }
+
+    fn content_source(&self, source: &Source) -> VolumeContentSource {
+        let backend = self.backend.name();
+        VolumeContentSource {
+            r#type: Some(match source {
+                Source::Snapshot(s) => SourceType::Snapshot(SnapshotSource {
+                    snapshot_id: Handle::new(backend, Kind::Snapshot, s.clone()).to_string(),
+                }),
+                Source::Volume(v) => SourceType::Volume(VolumeSource {
+                    volume_id: Handle::new(backend, Kind::Volume, v.clone()).to_string(),
+                }),
+            }),
+        }
+    }
+
+    fn snapshot_response(&self, image: &str, meta: &SnapshotMeta) -> Snapshot {
+        let backend = self.backend.name();
+        Snapshot {
+            size_bytes: meta.size as i64,
+            snapshot_id: Handle::new(backend, Kind::Snapshot, image.to_owned()).to_string(),
+            source_volume_id: Handle::new(backend, Kind::Volume, meta.source_image.clone())
+                .to_string(),
+            creation_time: Some(prost_types::Timestamp {
+                seconds: meta.created,
+                nanos: 0,
+            }),
+            ready_to_use: true,
+            group_snapshot_id: String::new(),
+        }
+    }
+
+    async fn create_volume(
+        &self,
+        r: CreateVolumeRequest,
+    ) -> Result<CreateVolumeResponse, ControllerError> {
+        let image = image_for(&self.cluster_id, &r.name)?;
+        if r.volume_capabilities.is_empty() {
+            return Err(ControllerError::invalid("volume_capabilities is required"));
+        }
+        for cap in &r.volume_capabilities {
+            check_capability(cap)?;
+        }
+        let parameters = parameters(&r.parameters)?;
+        let backend = self.backend.name();
+        let (source, minimum) = match r.volume_content_source.and_then(|s| s.r#type) {
+            None => (None, 0),
+            Some(SourceType::Snapshot(s)) => {
+                let h = Handle::parse(&s.snapshot_id, backend, Kind::Snapshot)?;
+                let snap = self.backend.snapshot(&h.image).await?.ok_or_else(|| {
+                    ControllerError::NotFound(format!("snapshot {h} does not exist"))
+                })?;
+                (Some(Source::Snapshot(h.image)), snap.size)
+            }
+            Some(SourceType::Volume(v)) => {
+                let h = Handle::parse(&v.volume_id, backend, Kind::Volume)?;
+                let src = self.existing_volume(&h).await?;
+                (Some(Source::Volume(h.image)), src.size)
+            }
+        };
+        let size = self.size_for(r.capacity_range.as_ref(), minimum)?;
+        if let Some(range) = &r.capacity_range {
+            if range.limit_bytes > 0 && (minimum as i64) > range.limit_bytes {
+                return Err(ControllerError::OutOfRange(format!(
+                    "the source is {minimum} bytes, more than limit_bytes {}",
+                    range.limit_bytes
+                )));
+            }
+        }
+        let _serial = self.serial.lock().await;
+        if let Some(existing) = self.backend.volume(&image).await? {
+            let same = existing.name == r.name
+                && existing.parameters == parameters
+                && existing.source == source
+                && fits(existing.size, r.capacity_range.as_ref());
+            if !same {
+                return Err(ControllerError::AlreadyExists(format!(
+                    "volume {:?} already exists with other parameters, size or source",
+                    r.name
+                )));
+            }
+            return Ok(CreateVolumeResponse {
+                volume: Some(self.volume_response(&image, &existing)),
+            });
+        }
+        let meta = VolumeMeta {
+            name: r.name,
+            size,
+            parameters,
+            source,
+            published: BTreeMap::new(),
+        };
+        self.backend.create_volume(&image, &meta).await?;
+        tracing::info!(%image, size, "volume created");
+        Ok(CreateVolumeResponse {
+            volume: Some(self.volume_response(&image, &meta)),
+        })
+    }
+
+    async fn delete_volume(
+        &self,
+        r: DeleteVolumeRequest,
+    ) -> Result<DeleteVolumeResponse, ControllerError> {
+        let h = self.volume_handle(&r.volume_id)?;
+        let _serial = self.serial.lock().await;
+        if let Some(meta) = self.backend.volume(&h.image).await? {
+            if !meta.published.is_empty() {
+                return Err(ControllerError::FailedPrecondition(format!(
+                    "volume {h} is still published to {}",
+                    meta.published
+                        .keys()
+                        .cloned()
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )));
+            }
+        }
+        self.backend.delete_volume(&h.image).await?;
+        Ok(DeleteVolumeResponse {})
+    }
+
+    async fn publish(
+        &self,
+        r: ControllerPublishVolumeRequest,
+    ) -> Result<ControllerPublishVolumeResponse, ControllerError> {
+        let h = self.volume_handle(&r.volume_id)?;
+        if r.node_id.is_empty() {
+            return Err(ControllerError::invalid("node_id is required"));
+        }
+        let cap = r
+            .volume_capability
+            .as_ref()
+            .ok_or_else(|| ControllerError::invalid("volume_capability is required"))?;
+        let mode = check_capability(cap)?;
+        let _serial = self.serial.lock().await;
+        let mut meta = self.existing_volume(&h).await?;
+        match meta.published.get(&r.node_id) {
+            Some(ro) if *ro != r.readonly => {
+                return Err(ControllerError::AlreadyExists(format!(
+                    "volume {h} is published to {} with readonly={ro}",
+                    r.node_id
+                )))
+            }
+            Some(_) => {}
+            None => {
+                let multi = mode == Mode::MultiNodeMultiWriter || mode == Mode::MultiNodeReaderOnly;
+                if !multi && !meta.published.is_empty() {
+                    return Err(ControllerError::FailedPrecondition(format!(
+                        "volume {h} is published to {} and its access mode allows one node",
+                        meta.published
+                            .keys()
+                            .cloned()
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    )));
+                }
+                meta.published.insert(r.node_id.clone(), r.readonly);
+                self.backend.update_volume(&h.image, &meta).await?;
+            }
+        }
+        let mut context = HashMap::from([("nbdUri".to_owned(), self.backend.export_uri(&h.image))]);
+        if let Some(n) = meta.parameters.get("nbdConnections") {
+            context.insert("nbdConnections".into(), n.clone());
+        }
+        Ok(ControllerPublishVolumeResponse {
+            publish_context: context,
+        })
+    }
+
+    async fn unpublish(
+        &self,
+        r: ControllerUnpublishVolumeRequest,
+    ) -> Result<ControllerUnpublishVolumeResponse, ControllerError> {
+        let h = self.volume_handle(&r.volume_id)?;
+        let _serial = self.serial.lock().await;
+        // A volume or node that is gone is unpublished: OK, per the spec's idempotency rule.
+        if let Some(mut meta) = self.backend.volume(&h.image).await? {
+            let removed = if r.node_id.is_empty() {
+                std::mem::take(&mut meta.published).len()
+            } else {
+                usize::from(meta.published.remove(&r.node_id).is_some())
+            };
+            if removed > 0 {
+                self.backend.update_volume(&h.image, &meta).await?;
+            }
+        }
+        Ok(ControllerUnpublishVolumeResponse {})
+    }
+
+    async fn create_snapshot(
+        &self,
+        r: CreateSnapshotRequest,
+    ) -> Result<CreateSnapshotResponse, ControllerError> {
+        let source = self.volume_handle(&r.source_volume_id)?;
+        let image = image_for(&self.cluster_id, &r.name)?;
+        if !r.parameters.is_empty() {
+            return Err(ControllerError::invalid(format!(
+                "snapshot parameters are not supported (got {:?})",
+                r.parameters.keys().collect::<Vec<_>>()
+            )));
+        }
+        let _serial = self.serial.lock().await;
+        if let Some(existing) = self.backend.snapshot(&image).await? {
+            if existing.source_image != source.image || existing.name != r.name {
+                return Err(ControllerError::AlreadyExists(format!(
+                    "snapshot {:?} already exists for another volume",
+                    r.name
+                )));
+            }
+            return Ok(CreateSnapshotResponse {
+                snapshot: Some(self.snapshot_response(&image, &existing)),
+            });
+        }
+        let volume = self.existing_volume(&source).await?;
+        let meta = SnapshotMeta {
+            name: r.name,
+            source_image: source.image.clone(),
+            size: volume.size,
+            created: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs() as i64)
+                .unwrap_or_default(),
+        };
+        self.backend.create_snapshot(&image, &meta).await?;
+        tracing::info!(%image, source = %source.image, "snapshot created");
+        Ok(CreateSnapshotResponse {
+            snapshot: Some(self.snapshot_response(&image, &meta)),
+        })
+    }
+
+    async fn list_snapshots(
+        &self,
+        r: ListSnapshotsRequest,
+    ) -> Result<ListSnapshotsResponse, ControllerError> {
+        if r.max_entries < 0 {
+            return Err(ControllerError::invalid("max_entries must not be negative"));
+        }
+        let mut all = self.backend.snapshots().await?;
+        if !r.snapshot_id.is_empty() {
+            // An id of another backend or a malformed one simply matches nothing.
+            let wanted = Handle::parse(&r.snapshot_id, self.backend.name(), Kind::Snapshot).ok();
+            all.retain(|(image, _)| wanted.as_ref().is_some_and(|w| &w.image == image));
+        }
+        if !r.source_volume_id.is_empty() {
+            let wanted = Handle::parse(&r.source_volume_id, self.backend.name(), Kind::Volume).ok();
+            all.retain(|(_, m)| wanted.as_ref().is_some_and(|w| w.image == m.source_image));
+        }
+        let start = if r.starting_token.is_empty() {
+            0
+        } else {
+            r.starting_token
+                .parse::<usize>()
+                .ok()
+                .filter(|s| *s <= all.len())
+                .ok_or_else(|| {
+                    ControllerError::Aborted(format!(
+                        "starting_token {:?} is not valid",
+                        r.starting_token
+                    ))
+                })?
+        };
+        let take = if r.max_entries == 0 {
+            usize::MAX
+        } else {
+            r.max_entries as usize
+        };
+        let page: Vec<_> = all.iter().skip(start).take(take).collect();
+        let next = start + page.len();
+        Ok(ListSnapshotsResponse {
+            entries: page
+                .into_iter()
+                .map(|(image, meta)| list_snapshots_response::Entry {
+                    snapshot: Some(self.snapshot_response(image, meta)),
+                })
+                .collect(),
+            next_token: if next < all.len() {
+                next.to_string()
+            } else {
+                String::new()
+            },
+        })
+    }
+
+    async fn expand(
+        &self,
+        r: ControllerExpandVolumeRequest,
+    ) -> Result<ControllerExpandVolumeResponse, ControllerError> {
+        let h = self.volume_handle(&r.volume_id)?;
+        let range = r
+            .capacity_range
+            .as_ref()
+            .ok_or_else(|| ControllerError::invalid("capacity_range is required"))?;
+        if let Some(cap) = &r.volume_capability {
+            check_capability(cap)?;
+        }
+        let _serial = self.serial.lock().await;
+        let meta = self.existing_volume(&h).await?;
+        let size = self.size_for(Some(range), meta.size)?;
+        if size > meta.size {
+            self.backend.grow_volume(&h.image, size).await?;
+            tracing::info!(image = %h.image, from = meta.size, to = size, "volume expanded");
+        }
+        // The node resizes the NBD device (and the filesystem) in every case.
+        Ok(ControllerExpandVolumeResponse {
+            capacity_bytes: size.max(meta.size) as i64,
+            node_expansion_required: true,
+        })
+    }
+}
+
+/// Whether an existing volume of `size` satisfies a repeated request's range.
+fn fits(size: u64, range: Option<&CapacityRange>) -> bool {
+    let Some(r) = range else { return true };
+    (r.required_bytes <= 0 || size >= r.required_bytes as u64)
+        && (r.limit_bytes <= 0 || size <= r.limit_bytes as u64)
+}
+
+fn parameters(raw: &HashMap<String, String>) -> Result<BTreeMap<String, String>, ControllerError> {
+    let mut out = BTreeMap::new();
+    for (k, v) in raw {
+        if k.starts_with("csi.storage.k8s.io/") {
+            continue;
+        }
+        if !PARAMETERS.contains(&k.as_str()) {
+            return Err(ControllerError::invalid(format!(
+                "unknown parameter {k:?} (supported: {})",
+                PARAMETERS.join(", ")
+            )));
+        }
+        if k == "nbdConnections" && !v.parse::<u8>().is_ok_and(|n| (1..=16).contains(&n)) {
+            return Err(ControllerError::invalid(format!(
+                "nbdConnections {v:?} must be a number from 1 to 16"
+            )));
+        }
+        out.insert(k.clone(), v.clone());
+    }
+    Ok(out)
+}
+
+/// The capability rules of the driver: a filesystem lives on one node; several nodes only for
+/// block (live migration of VM disks). Returns the access mode.
+pub fn check_capability(cap: &VolumeCapability) -> Result<Mode, ControllerError> {
+    let mode = cap
+        .access_mode
+        .as_ref()
+        .map(|m| m.mode())
+        .filter(|m| *m != Mode::Unknown)
+        .ok_or_else(|| ControllerError::invalid("volume capability needs an access mode"))?;
+    let multi = matches!(
+        mode,
+        Mode::MultiNodeReaderOnly | Mode::MultiNodeSingleWriter | Mode::MultiNodeMultiWriter
+    );
+    match &cap.access_type {
+        None => Err(ControllerError::invalid("volume capability needs access_type block or mount")),
+        Some(AccessType::Mount(m)) => {
+            if multi {
+                return Err(ControllerError::invalid(
+                    "a filesystem volume can be used on one node only: ReadWriteMany and ReadOnlyMany need volumeMode: Block",
+                ));
+            }
+            if !matches!(m.fs_type.as_str(), "" | "ext4" | "xfs") {
+                return Err(ControllerError::invalid(format!("fsType {:?} is not supported (ext4, xfs)", m.fs_type)));
+            }
+            Ok(mode)
+        }
+        Some(AccessType::Block(_)) if mode == Mode::MultiNodeSingleWriter => Err(ControllerError::invalid(
+            "MULTI_NODE_SINGLE_WRITER is not supported: use MULTI_NODE_MULTI_WRITER for VM live migration",
+        )),
+        Some(AccessType::Block(_)) => Ok(mode),
+    }
+}
+
+fn answer<T>(op: &'static str, result: Result<T, ControllerError>) -> Result<Response<T>, Status> {
+    match result {
+        Ok(v) => Ok(Response::new(v)),
+        Err(e) => {
+            let status = Status::from(e);
+            tracing::warn!(op, code = ?status.code(), message = status.message(), "failed");
+            Err(status)
+        }
+    }
+}
+
+fn capability_of(rpc: Rpc) -> ControllerServiceCapability {
+    ControllerServiceCapability {
+        r#type: Some(CapType::Rpc(RpcCap { r#type: rpc as i32 })),
+    }
+}
+
+#[tonic::async_trait]
+impl Controller for ControllerService {
+    async fn create_volume(
+        &self,
+        r: Request<CreateVolumeRequest>,
+    ) -> Result<Response<CreateVolumeResponse>, Status> {
+        let r = r.into_inner();
+        let span = tracing::info_span!("csi", op = "CreateVolume", name = %r.name);
+        answer(
+            "CreateVolume",
+            tracing::Instrument::instrument(self.create_volume(r), span).await,
+        )
+    }
+
+    async fn delete_volume(
+        &self,
+        r: Request<DeleteVolumeRequest>,
+    ) -> Result<Response<DeleteVolumeResponse>, Status> {
+        let r = r.into_inner();
+        let span = tracing::info_span!("csi", op = "DeleteVolume", volume_id = %r.volume_id);
+        answer(
+            "DeleteVolume",
+            tracing::Instrument::instrument(self.delete_volume(r), span).await,
+        )
+    }
+
+    async fn controller_publish_volume(
+        &self,
+        r: Request<ControllerPublishVolumeRequest>,
+    ) -> Result<Response<ControllerPublishVolumeResponse>, Status> {
+        let r = r.into_inner();
+        let span = tracing::info_span!("csi", op = "ControllerPublishVolume", volume_id = %r.volume_id, node = %r.node_id);
+        answer(
+            "ControllerPublishVolume",
+            tracing::Instrument::instrument(self.publish(r), span).await,
+        )
+    }
+
+    async fn controller_unpublish_volume(
+        &self,
+        r: Request<ControllerUnpublishVolumeRequest>,
+    ) -> Result<Response<ControllerUnpublishVolumeResponse>, Status> {
+        let r = r.into_inner();
+        let span = tracing::info_span!("csi", op = "ControllerUnpublishVolume", volume_id = %r.volume_id, node = %r.node_id);
+        answer(
+            "ControllerUnpublishVolume",
+            tracing::Instrument::instrument(self.unpublish(r), span).await,
+        )
+    }
+
+    async fn validate_volume_capabilities(
+        &self,
+        r: Request<ValidateVolumeCapabilitiesRequest>,
+    ) -> Result<Response<ValidateVolumeCapabilitiesResponse>, Status> {
+        let r = r.into_inner();
+        let result = async {
+            let h = self.volume_handle(&r.volume_id)?;
+            if r.volume_capabilities.is_empty() {
+                return Err(ControllerError::invalid("volume_capabilities is required"));
+            }
+            self.existing_volume(&h).await?;
+            for cap in &r.volume_capabilities {
+                if let Err(e) = check_capability(cap) {
+                    return Ok(ValidateVolumeCapabilitiesResponse {
+                        confirmed: None,
+                        message: e.to_string(),
+                    });
+                }
+            }
+            Ok(ValidateVolumeCapabilitiesResponse {
+                confirmed: Some(validate_volume_capabilities_response::Confirmed {
+                    volume_context: r.volume_context.clone(),
+                    volume_capabilities: r.volume_capabilities.clone(),
+                    parameters: r.parameters.clone(),
+                }),
+                message: String::new(),
+            })
+        }
+        .await;
+        answer("ValidateVolumeCapabilities", result)
+    }
+
+    async fn get_capacity(
+        &self,
+        _: Request<GetCapacityRequest>,
+    ) -> Result<Response<GetCapacityResponse>, Status> {
+        let result = self.backend.capacity().await.map(|c| GetCapacityResponse {
+            available_capacity: c.unwrap_or_default() as i64,
+            maximum_volume_size: None,
+            minimum_volume_size: Some(self.backend.granularity() as i64),
+        });
+        answer("GetCapacity", result)
+    }
+
+    async fn controller_get_capabilities(
+        &self,
+        _: Request<ControllerGetCapabilitiesRequest>,
+    ) -> Result<Response<ControllerGetCapabilitiesResponse>, Status> {
+        Ok(Response::new(ControllerGetCapabilitiesResponse {
+            capabilities: [
+                Rpc::CreateDeleteVolume,
+                Rpc::PublishUnpublishVolume,
+                Rpc::GetCapacity,
+                Rpc::CreateDeleteSnapshot,
+                Rpc::ListSnapshots,
+                Rpc::CloneVolume,
+                Rpc::ExpandVolume,
+                Rpc::PublishReadonly,
+                Rpc::SingleNodeMultiWriter,
+            ]
+            .into_iter()
+            .map(capability_of)
+            .collect(),
+        }))
+    }
+
+    async fn create_snapshot(
+        &self,
+        r: Request<CreateSnapshotRequest>,
+    ) -> Result<Response<CreateSnapshotResponse>, Status> {
+        let r = r.into_inner();
+        let span = tracing::info_span!("csi", op = "CreateSnapshot", name = %r.name, volume_id = %r.source_volume_id);
+        answer(
+            "CreateSnapshot",
+            tracing::Instrument::instrument(self.create_snapshot(r), span).await,
+        )
+    }
+
+    async fn delete_snapshot(
+        &self,
+        r: Request<DeleteSnapshotRequest>,
+    ) -> Result<Response<DeleteSnapshotResponse>, Status> {
+        let r = r.into_inner();
+        let result = async {
+            let h = self.snapshot_handle(&r.snapshot_id)?;
+            let _serial = self.serial.lock().await;
+            self.backend.delete_snapshot(&h.image).await?;
+            Ok(DeleteSnapshotResponse {})
+        }
+        .await;
+        answer("DeleteSnapshot", result)
+    }
+
+    async fn list_snapshots(
+        &self,
+        r: Request<ListSnapshotsRequest>,
+    ) -> Result<Response<ListSnapshotsResponse>, Status> {
+        answer("ListSnapshots", self.list_snapshots(r.into_inner()).await)
+    }
+
+    async fn controller_expand_volume(
+        &self,
+        r: Request<ControllerExpandVolumeRequest>,
+    ) -> Result<Response<ControllerExpandVolumeResponse>, Status> {
+        let r = r.into_inner();
+        let span =
+            tracing::info_span!("csi", op = "ControllerExpandVolume", volume_id = %r.volume_id);
+        answer(
+            "ControllerExpandVolume",
+            tracing::Instrument::instrument(self.expand(r), span).await,
+        )
+    }
+}

@@ -1,0 +1,4 @@
+//! The gRPC services for the provisioning sidecars.
+
+pub mod controller;
+pub mod identity;

@@ -1,0 +1,600 @@
+//! The controller with the local backend and its real export server (nbdkit), driven through
+//! the CSI socket as the provisioning sidecars drive it. No kernel needed: exports are checked
+//! with the NBD handshake, contents on the image files.
+
+#![allow(clippy::unwrap_used)] // a test fails by panicking
+
+use std::collections::HashMap;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use controller_shim::backend::local::LocalBackend;
+use controller_shim::exports::ExportServer;
+use csi_proto::csi::controller_client::ControllerClient;
+use csi_proto::csi::volume_capability::access_mode::Mode;
+use csi_proto::csi::volume_content_source::{SnapshotSource, Type as SourceType, VolumeSource};
+use csi_proto::csi::*;
+use testkit::csi::{block_capability, mount_capability};
+use tonic::transport::Channel;
+use tonic::Code;
+
+const MIB: i64 = 1 << 20;
+
+struct Controller {
+    client: ControllerClient<Channel>,
+    root: PathBuf,
+    _dir: tempfile::TempDir,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for Controller {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+async fn start() -> Controller {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("store");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let listen: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
+    let backend = LocalBackend::open(&root, &listen.to_string()).unwrap();
+    let exports = tokio::spawn(
+        ExportServer {
+            images: backend.images_dir(),
+            listen,
+        }
+        .supervise(),
+    );
+    let socket = dir.path().join("csi.sock");
+    let server = {
+        let socket = socket.clone();
+        tokio::spawn(async move {
+            controller_shim::server::serve(
+                &socket,
+                Arc::new(backend),
+                "test".into(),
+                std::future::pending(),
+            )
+            .await
+            .unwrap();
+        })
+    };
+    let started = Instant::now();
+    let channel = loop {
+        if let Ok(c) = testkit::csi::connect(&socket).await {
+            break c;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "controller did not start"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    Controller {
+        client: ControllerClient::new(channel),
+        root,
+        _dir: dir,
+        tasks: vec![exports, server],
+    }
+}
+
+fn create(name: &str, required: i64, cap: VolumeCapability) -> CreateVolumeRequest {
+    CreateVolumeRequest {
+        name: name.into(),
+        capacity_range: Some(CapacityRange {
+            required_bytes: required,
+            limit_bytes: 0,
+        }),
+        volume_capabilities: vec![cap],
+        parameters: HashMap::new(),
+        volume_content_source: None,
+        accessibility_requirements: None,
+    }
+}
+
+fn ext4() -> VolumeCapability {
+    mount_capability("ext4", Mode::SingleNodeWriter)
+}
+
+fn image_file(c: &Controller, volume_id: &str) -> PathBuf {
+    c.root
+        .join("images")
+        .join(volume_id.rsplit(':').next().unwrap())
+}
+
+/// The export's size as a node would see it, through a real NBD handshake.
+async fn export_size(uri: &str) -> u64 {
+    let uri: nbd::NbdUri = uri.parse().unwrap();
+    let started = Instant::now();
+    loop {
+        match nbd::dial::dial_one(&uri, Duration::from_secs(5)).await {
+            Ok((info, _)) => return info.size,
+            Err(e) => assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "export {uri}: {e}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn write(path: &Path, offset: u64, data: &[u8]) {
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .unwrap()
+        .write_all_at(data, offset)
+        .unwrap();
+}
+
+fn read(path: &Path, offset: u64, len: usize) -> Vec<u8> {
+    let mut buf = vec![0; len];
+    std::fs::File::open(path)
+        .unwrap()
+        .read_exact_at(&mut buf, offset)
+        .unwrap();
+    buf
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn volume_snapshot_restore_clone_expand_delete() {
+    let mut c = start().await;
+    let v = c
+        .client
+        .create_volume(create("pvc-a", 10 * MIB + 1, ext4()))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    assert_eq!(v.capacity_bytes, 11 * MIB, "rounded up to whole MiB");
+    assert!(
+        v.volume_id.starts_with("local:volume:test-"),
+        "{}",
+        v.volume_id
+    );
+    assert_eq!(
+        v.accessible_topology[0].segments["topology.ustor-nbd.csi.mindsw.io/data-plane"],
+        "true"
+    );
+    let uri = v.volume_context["nbdUri"].clone();
+    assert_eq!(export_size(&uri).await, 11 << 20);
+
+    // Idempotent by name; a clash by name is ALREADY_EXISTS.
+    let again = c
+        .client
+        .create_volume(create("pvc-a", 10 * MIB + 1, ext4()))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(again.volume.unwrap().volume_id, v.volume_id);
+    let clash = c
+        .client
+        .create_volume(create("pvc-a", 100 * MIB, ext4()))
+        .await
+        .unwrap_err();
+    assert_eq!(clash.code(), Code::AlreadyExists);
+
+    // Snapshot, then restore into a larger volume and clone: the data is there.
+    let file = image_file(&c, &v.volume_id);
+    write(&file, 5 << 20, b"snapshot me");
+    let snap = c
+        .client
+        .create_snapshot(CreateSnapshotRequest {
+            source_volume_id: v.volume_id.clone(),
+            name: "snap-1".into(),
+            parameters: HashMap::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .snapshot
+        .unwrap();
+    assert!(
+        snap.ready_to_use && snap.size_bytes == 11 * MIB && snap.source_volume_id == v.volume_id
+    );
+    write(&file, 5 << 20, b"changed!!!!");
+    let mut restore = create("pvc-restored", 32 * MIB, ext4());
+    restore.volume_content_source = Some(VolumeContentSource {
+        r#type: Some(SourceType::Snapshot(SnapshotSource {
+            snapshot_id: snap.snapshot_id.clone(),
+        })),
+    });
+    let restored = c
+        .client
+        .create_volume(restore)
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    assert_eq!(
+        restored.capacity_bytes,
+        32 * MIB,
+        "restored into a larger volume"
+    );
+    assert_eq!(
+        read(&image_file(&c, &restored.volume_id), 5 << 20, 11),
+        b"snapshot me"
+    );
+    assert_eq!(
+        export_size(&restored.volume_context["nbdUri"]).await,
+        32 << 20
+    );
+    let mut clone = create("pvc-clone", 0, ext4());
+    clone.volume_content_source = Some(VolumeContentSource {
+        r#type: Some(SourceType::Volume(VolumeSource {
+            volume_id: v.volume_id.clone(),
+        })),
+    });
+    let cloned = c
+        .client
+        .create_volume(clone)
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    assert_eq!(
+        read(&image_file(&c, &cloned.volume_id), 5 << 20, 11),
+        b"changed!!!!"
+    );
+    assert_eq!(
+        cloned.capacity_bytes,
+        1 << 30,
+        "no size asked: the default 1 GiB, not less than the source"
+    );
+
+    // Expansion: the export shows the new size to new connections.
+    let r = c
+        .client
+        .controller_expand_volume(ControllerExpandVolumeRequest {
+            volume_id: v.volume_id.clone(),
+            capacity_range: Some(CapacityRange {
+                required_bytes: 20 * MIB,
+                limit_bytes: 0,
+            }),
+            volume_capability: Some(ext4()),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.capacity_bytes, 20 * MIB);
+    assert!(r.node_expansion_required);
+    assert_eq!(export_size(&uri).await, 20 << 20);
+
+    // Deleting the source volume keeps its snapshot valid; deletes are idempotent.
+    for id in [
+        &v.volume_id,
+        &v.volume_id,
+        &restored.volume_id,
+        &cloned.volume_id,
+    ] {
+        c.client
+            .delete_volume(DeleteVolumeRequest {
+                volume_id: id.clone(),
+            })
+            .await
+            .unwrap();
+    }
+    assert!(!file.exists());
+    let mut again = create("pvc-from-orphan-snap", 11 * MIB, ext4());
+    again.volume_content_source = Some(VolumeContentSource {
+        r#type: Some(SourceType::Snapshot(SnapshotSource {
+            snapshot_id: snap.snapshot_id.clone(),
+        })),
+    });
+    let orphan = c
+        .client
+        .create_volume(again)
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    assert_eq!(
+        read(&image_file(&c, &orphan.volume_id), 5 << 20, 11),
+        b"snapshot me"
+    );
+    for _ in 0..2 {
+        c.client
+            .delete_snapshot(DeleteSnapshotRequest {
+                snapshot_id: snap.snapshot_id.clone(),
+            })
+            .await
+            .unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_rules_follow_the_access_mode() {
+    let mut c = start().await;
+    let rwo = c
+        .client
+        .create_volume(create("pvc-rwo", MIB, ext4()))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    let rwx_cap = block_capability(Mode::MultiNodeMultiWriter);
+    let rwx = c
+        .client
+        .create_volume(create("vm-disk", MIB, rwx_cap.clone()))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    let publish = |id: &str, node: &str, cap: VolumeCapability| ControllerPublishVolumeRequest {
+        volume_id: id.into(),
+        node_id: node.into(),
+        volume_capability: Some(cap),
+        readonly: false,
+        volume_context: HashMap::new(),
+    };
+    let ctx = c
+        .client
+        .controller_publish_volume(publish(&rwo.volume_id, "node-a", ext4()))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(ctx.publish_context["nbdUri"], rwo.volume_context["nbdUri"]);
+    c.client
+        .controller_publish_volume(publish(&rwo.volume_id, "node-a", ext4()))
+        .await
+        .unwrap();
+    let err = c
+        .client
+        .controller_publish_volume(publish(&rwo.volume_id, "node-b", ext4()))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{}", err.message());
+    for node in ["node-a", "node-b"] {
+        c.client
+            .controller_publish_volume(publish(&rwx.volume_id, node, rwx_cap.clone()))
+            .await
+            .unwrap();
+    }
+    let err = c
+        .client
+        .delete_volume(DeleteVolumeRequest {
+            volume_id: rwo.volume_id.clone(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.code(),
+        Code::FailedPrecondition,
+        "delete while published"
+    );
+    for _ in 0..2 {
+        c.client
+            .controller_unpublish_volume(ControllerUnpublishVolumeRequest {
+                volume_id: rwo.volume_id.clone(),
+                node_id: "node-a".into(),
+            })
+            .await
+            .unwrap();
+    }
+    c.client
+        .controller_publish_volume(publish(&rwo.volume_id, "node-b", ext4()))
+        .await
+        .unwrap();
+    let err = c
+        .client
+        .controller_publish_volume(publish("local:volume:test-nope", "node-a", ext4()))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_snapshots_pages_and_filters() {
+    let mut c = start().await;
+    let v = c
+        .client
+        .create_volume(create("pvc-s", MIB, ext4()))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    let other = c
+        .client
+        .create_volume(create("pvc-t", MIB, ext4()))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    for (name, source) in [("s1", &v), ("s2", &v), ("s3", &v), ("t1", &other)] {
+        c.client
+            .create_snapshot(CreateSnapshotRequest {
+                source_volume_id: source.volume_id.clone(),
+                name: name.into(),
+                parameters: HashMap::new(),
+            })
+            .await
+            .unwrap();
+    }
+    let list = |max: i32, token: &str, source: &str, id: &str| ListSnapshotsRequest {
+        max_entries: max,
+        starting_token: token.into(),
+        source_volume_id: source.into(),
+        snapshot_id: id.into(),
+    };
+    let first = c
+        .client
+        .list_snapshots(list(3, "", "", ""))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(first.entries.len(), 3);
+    assert!(!first.next_token.is_empty());
+    let rest = c
+        .client
+        .list_snapshots(list(3, &first.next_token, "", ""))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(rest.entries.len(), 1);
+    assert!(rest.next_token.is_empty());
+    let by_source = c
+        .client
+        .list_snapshots(list(0, "", &v.volume_id, ""))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(by_source.entries.len(), 3);
+    let one = &first.entries[0].snapshot.as_ref().unwrap().snapshot_id;
+    let by_id = c
+        .client
+        .list_snapshots(list(0, "", "", one))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(by_id.entries.len(), 1);
+    let none = c
+        .client
+        .list_snapshots(list(0, "", "", "local:snapshot:test-unknown"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(none.entries.is_empty());
+    let err = c
+        .client
+        .list_snapshots(list(0, "garbage", "", ""))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Aborted);
+    // The same name for a snapshot of another volume is a clash.
+    let err = c
+        .client
+        .create_snapshot(CreateSnapshotRequest {
+            source_volume_id: other.volume_id.clone(),
+            name: "s1".into(),
+            parameters: HashMap::new(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::AlreadyExists);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_the_spec_code() {
+    let mut c = start().await;
+    let mut cases: Vec<(&str, CreateVolumeRequest, Code)> = Vec::new();
+    cases.push(("no name", create("", MIB, ext4()), Code::InvalidArgument));
+    let mut r = create("x", MIB, ext4());
+    r.volume_capabilities.clear();
+    cases.push(("no capabilities", r, Code::InvalidArgument));
+    cases.push((
+        "RWX filesystem",
+        create(
+            "x",
+            MIB,
+            mount_capability("ext4", Mode::MultiNodeMultiWriter),
+        ),
+        Code::InvalidArgument,
+    ));
+    cases.push((
+        "unknown fsType",
+        create("x", MIB, mount_capability("btrfs", Mode::SingleNodeWriter)),
+        Code::InvalidArgument,
+    ));
+    let mut r = create("x", MIB, ext4());
+    r.parameters.insert("pol".into(), "data".into());
+    cases.push(("unknown parameter", r, Code::InvalidArgument));
+    let mut r = create("x", MIB, ext4());
+    r.parameters.insert("nbdConnections".into(), "99".into());
+    cases.push(("bad nbdConnections", r, Code::InvalidArgument));
+    let mut r = create("x", 10 * MIB, ext4());
+    r.capacity_range.as_mut().unwrap().limit_bytes = MIB;
+    cases.push(("required over limit", r, Code::OutOfRange));
+    let mut r = create("x", MIB, ext4());
+    r.volume_content_source = Some(VolumeContentSource {
+        r#type: Some(SourceType::Snapshot(SnapshotSource {
+            snapshot_id: "local:snapshot:test-missing".into(),
+        })),
+    });
+    cases.push(("missing snapshot source", r, Code::NotFound));
+    let mut r = create("x", MIB, ext4());
+    r.volume_content_source = Some(VolumeContentSource {
+        r#type: Some(SourceType::Volume(VolumeSource {
+            volume_id: "local:snapshot:test-x".into(),
+        })),
+    });
+    cases.push(("snapshot id as volume source", r, Code::InvalidArgument));
+    for (what, req, code) in cases {
+        let err = c.client.create_volume(req).await.expect_err(what);
+        assert_eq!(err.code(), code, "{what}: {}", err.message());
+        assert!(!err.message().is_empty());
+    }
+    assert_eq!(
+        std::fs::read_dir(c.root.join("images")).unwrap().count(),
+        0,
+        "nothing was created"
+    );
+
+    let err = c
+        .client
+        .delete_volume(DeleteVolumeRequest {
+            volume_id: "not-ours".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    c.client
+        .delete_volume(DeleteVolumeRequest {
+            volume_id: "local:volume:test-never-existed".into(),
+        })
+        .await
+        .expect("deleting what is not there is OK");
+    let err = c
+        .client
+        .controller_expand_volume(ControllerExpandVolumeRequest {
+            volume_id: "local:volume:test-nope".into(),
+            capacity_range: Some(CapacityRange {
+                required_bytes: MIB,
+                limit_bytes: 0,
+            }),
+            volume_capability: None,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound);
+    let err = c
+        .client
+        .create_snapshot(CreateSnapshotRequest {
+            source_volume_id: "local:volume:test-nope".into(),
+            name: "s".into(),
+            parameters: HashMap::new(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound);
+    let cap = c
+        .client
+        .get_capacity(GetCapacityRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(cap.available_capacity > 0);
+    let caps = c
+        .client
+        .controller_get_capabilities(ControllerGetCapabilitiesRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(caps.capabilities.len(), 9);
+}
