@@ -2,6 +2,7 @@
 //! later, the uStor management API.
 
 pub mod local;
+pub mod ustor;
 
 use std::collections::BTreeMap;
 use std::fmt;

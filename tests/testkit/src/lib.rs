@@ -3,6 +3,7 @@
 //! Servers are real processes (nbdkit, qemu-nbd) on loopback or unix sockets: they can be killed
 //! and restarted at the same address to test link loss, which no in-process fake could show.
 
+pub mod controller;
 pub mod csi;
 pub mod daemon;
 mod direct;

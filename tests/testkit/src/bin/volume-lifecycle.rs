@@ -1,18 +1,25 @@
-//! The main job: one volume through its whole life on a real kernel, as kubelet would drive
-//! it. Starts an NBD server (nbdkit) and the node daemon, then stages, publishes, writes,
-//! expands, unpublishes and unstages an ext4 volume, printing each step and what the node's
-//! `status` command shows. Run by `tests/vm/run --demo` inside the VM.
+//! The main job: one volume through its whole life on a real kernel, as Kubernetes would drive
+//! it. Starts the controller (local backend with its own NBD export server) and the node
+//! daemon, then provisions, attaches, writes, survives a `kill -9` of the node daemon,
+//! expands, snapshots, restores into a larger volume, and tears everything down, printing each
+//! step and what the node's `status` command shows. Run by `tests/vm/run --demo` in the VM.
 
-use std::path::Path;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
+use csi_proto::csi::controller_client::ControllerClient;
 use csi_proto::csi::volume_capability::access_mode::Mode;
+use csi_proto::csi::volume_content_source::{SnapshotSource, Type as SourceType};
+use csi_proto::csi::*;
+use testkit::controller::ControllerProcess;
 use testkit::csi::*;
 use testkit::daemon::NodeDaemon;
-use testkit::{Listen, NbdServer};
+use tonic::transport::Channel;
 
-const MIB: u64 = 1 << 20;
+type Error = Box<dyn std::error::Error>;
+const MIB: i64 = 1 << 20;
 
 fn step(what: &str) {
     println!("\n== {what}");
@@ -28,113 +35,215 @@ fn status(daemon: &NodeDaemon) {
     print!("{}", String::from_utf8_lossy(&out.stdout));
 }
 
-fn df(path: &Path) -> String {
-    let u = mounts::usage::usage(path).expect("statvfs");
-    format!(
+fn df(path: &Path) -> Result<String, Error> {
+    let u = mounts::usage::usage(path)?;
+    Ok(format!(
         "{} MiB total, {} MiB used",
-        u.bytes_total / MIB,
-        u.bytes_used / MIB
-    )
+        u.bytes_total >> 20,
+        u.bytes_used >> 20
+    ))
+}
+
+fn capability() -> VolumeCapability {
+    mount_capability("ext4", Mode::SingleNodeWriter)
+}
+
+fn create(name: &str, bytes: i64, source: Option<VolumeContentSource>) -> CreateVolumeRequest {
+    CreateVolumeRequest {
+        name: name.into(),
+        capacity_range: Some(CapacityRange {
+            required_bytes: bytes,
+            limit_bytes: 0,
+        }),
+        volume_capabilities: vec![capability()],
+        parameters: HashMap::new(),
+        volume_content_source: source,
+        accessibility_requirements: None,
+    }
+}
+
+/// A volume as kubelet places it for a pod.
+struct Placed {
+    id: String,
+    staging: PathBuf,
+    target: PathBuf,
+}
+
+async fn place(
+    ctrl: &mut ControllerClient<Channel>,
+    node: &mut NodeClients,
+    daemon: &NodeDaemon,
+    v: &Volume,
+) -> Result<Placed, Error> {
+    let publish = ctrl
+        .controller_publish_volume(ControllerPublishVolumeRequest {
+            volume_id: v.volume_id.clone(),
+            node_id: daemon.node_id.clone(),
+            volume_capability: Some(capability()),
+            readonly: false,
+            volume_context: v.volume_context.clone(),
+        })
+        .await?
+        .into_inner()
+        .publish_context;
+    let name = v
+        .volume_id
+        .rsplit(':')
+        .next()
+        .unwrap_or("volume")
+        .to_owned();
+    let staging = daemon.scratch().join(format!(
+        "plugins/kubernetes.io/csi/ustor-nbd.csi.mindsw.io/{name}/globalmount"
+    ));
+    let target = daemon.scratch().join(format!(
+        "pods/pod-{name}/volumes/kubernetes.io~csi/{name}/mount"
+    ));
+    std::fs::create_dir_all(&staging)?;
+    std::fs::create_dir_all(target.parent().ok_or("target has a parent")?)?;
+    let mut stage = stage_request(&v.volume_id, &staging, capability(), "");
+    stage.volume_context = v.volume_context.clone();
+    stage.publish_context = publish.clone();
+    node.node.node_stage_volume(stage).await?;
+    let mut req = publish_request(&v.volume_id, &staging, &target, capability(), "", false);
+    req.volume_context = v.volume_context.clone();
+    req.publish_context = publish;
+    node.node.node_publish_volume(req).await?;
+    Ok(Placed {
+        id: v.volume_id.clone(),
+        staging,
+        target,
+    })
+}
+
+async fn remove(
+    ctrl: &mut ControllerClient<Channel>,
+    node: &mut NodeClients,
+    daemon: &NodeDaemon,
+    p: &Placed,
+) -> Result<(), Error> {
+    node.node
+        .node_unpublish_volume(unpublish_request(&p.id, &p.target))
+        .await?;
+    node.node
+        .node_unstage_volume(unstage_request(&p.id, &p.staging))
+        .await?;
+    ctrl.controller_unpublish_volume(ControllerUnpublishVolumeRequest {
+        volume_id: p.id.clone(),
+        node_id: daemon.node_id.clone(),
+    })
+    .await?;
+    ctrl.delete_volume(DeleteVolumeRequest {
+        volume_id: p.id.clone(),
+    })
+    .await?;
+    Ok(())
 }
 
 #[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
+async fn main() -> Result<(), Error> {
     let started = Instant::now();
-    let dir = tempfile::tempdir()?;
-    let image = dir.path().join("pvc-demo.img");
-    std::fs::File::create(&image)?.set_len(128 * MIB)?;
-    let file_arg = format!("file={}", image.display());
 
-    step("an NBD export: nbdkit serving a 128 MiB sparse file over TCP");
-    let server = NbdServer::nbdkit(Listen::Tcp, &["file", &file_arg])?;
-    let uri = server.uri().to_string();
-    println!("export: {uri}");
-
+    step("the controller (ustor-csi-controller serve --backend local) and its NBD export server");
+    let (_controller, mut ctrl) = ControllerProcess::start("demo").await?;
     step("the node daemon (ustor-csi-node serve)");
     let mut daemon = NodeDaemon::new("demo-node", "")?;
-    let mut c = daemon.start(None).await;
+    let mut node = daemon.start(None).await;
     println!("ready on {}", daemon.socket.display());
 
-    let volume = "pvc-demo";
-    let cap = mount_capability("ext4", Mode::SingleNodeWriter);
-    let staging = dir
-        .path()
-        .join("plugins/kubernetes.io/csi/ustor-nbd.csi.mindsw.io/demo/globalmount");
-    let target = dir
-        .path()
-        .join("pods/demo-pod/volumes/kubernetes.io~csi/pvc-demo/mount");
-    std::fs::create_dir_all(&staging)?;
-    std::fs::create_dir_all(target.parent().ok_or("target has a parent")?)?;
-
-    step("NodeStageVolume: attach, format (blank device only), mount at the staging path");
-    c.node
-        .node_stage_volume(stage_request(volume, &staging, cap.clone(), &uri))
-        .await?;
-    status(&daemon);
-
-    step("NodePublishVolume: bind mount into the pod");
-    c.node
-        .node_publish_volume(publish_request(
-            volume,
-            &staging,
-            &target,
-            cap.clone(),
-            &uri,
-            false,
-        ))
-        .await?;
-    let data = testkit::pattern(1, 0, 8 * MIB as usize);
-    std::fs::write(target.join("hello.bin"), &data)?;
-    std::fs::File::open(target.join("hello.bin"))?.sync_all()?;
-    assert!(std::fs::read(target.join("hello.bin"))? == data);
+    step("CreateVolume pvc-demo, 128 MiB, ext4");
+    let volume = ctrl
+        .create_volume(create("pvc-demo", 128 * MIB, None))
+        .await?
+        .into_inner()
+        .volume
+        .ok_or("volume")?;
     println!(
-        "wrote and read back 8 MiB in the pod's mount: {}",
-        df(&target)
+        "{} -> {}",
+        volume.volume_id, volume.volume_context["nbdUri"]
     );
 
-    step("the daemon is killed (-9) and restarted: the volume keeps working");
+    step("ControllerPublish, NodeStage (attach, format the blank device, mount), NodePublish");
+    let placed = place(&mut ctrl, &mut node, &daemon, &volume).await?;
+    status(&daemon);
+    let data = testkit::pattern(1, 0, 8 << 20);
+    std::fs::write(placed.target.join("hello.bin"), &data)?;
+    std::fs::File::open(placed.target.join("hello.bin"))?.sync_all()?;
+    println!("wrote 8 MiB in the pod's mount: {}", df(&placed.target)?);
+
+    step("the node daemon is killed (-9) and restarted: the volume keeps working");
     daemon.kill();
-    let mut c = daemon.start(None).await;
-    assert!(std::fs::read(target.join("hello.bin"))? == data);
+    let mut node = daemon.start(None).await;
+    assert!(std::fs::read(placed.target.join("hello.bin"))? == data);
     println!("data intact after the restart");
 
-    step("the export grows to 256 MiB; NodeExpandVolume grows the filesystem through the staging path");
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(&image)?
-        .set_len(256 * MIB)?;
-    let r = c
-        .node
+    step("ControllerExpandVolume to 256 MiB, then NodeExpandVolume (through the staging path)");
+    ctrl.controller_expand_volume(ControllerExpandVolumeRequest {
+        volume_id: volume.volume_id.clone(),
+        capacity_range: Some(CapacityRange {
+            required_bytes: 256 * MIB,
+            limit_bytes: 0,
+        }),
+        volume_capability: Some(capability()),
+    })
+    .await?;
+    node.node
         .node_expand_volume(expand_request(
-            volume,
-            &target,
-            &staging,
-            (256 * MIB) as i64,
+            &volume.volume_id,
+            &placed.target,
+            &placed.staging,
+            256 * MIB,
         ))
+        .await?;
+    println!("{}", df(&placed.target)?);
+
+    step("CreateSnapshot, then CreateVolume from it into a 512 MiB volume");
+    // SAFETY: sync(2) takes no arguments and cannot fail.
+    unsafe { libc::sync() };
+    let snap = ctrl
+        .create_snapshot(CreateSnapshotRequest {
+            source_volume_id: volume.volume_id.clone(),
+            name: "snap-demo".into(),
+            parameters: HashMap::new(),
+        })
         .await?
-        .into_inner();
+        .into_inner()
+        .snapshot
+        .ok_or("snapshot")?;
+    let source = VolumeContentSource {
+        r#type: Some(SourceType::Snapshot(SnapshotSource {
+            snapshot_id: snap.snapshot_id.clone(),
+        })),
+    };
+    let restored = ctrl
+        .create_volume(create("pvc-restored", 512 * MIB, Some(source)))
+        .await?
+        .into_inner()
+        .volume
+        .ok_or("volume")?;
+    let placed_restored = place(&mut ctrl, &mut node, &daemon, &restored).await?;
+    assert!(std::fs::read(placed_restored.target.join("hello.bin"))? == data);
     println!(
-        "capacity {} MiB; {}",
-        r.capacity_bytes as u64 / MIB,
-        df(&target)
+        "restored volume holds the data; {}",
+        df(&placed_restored.target)?
     );
+    status(&daemon);
 
     step("NodeGetVolumeStats");
-    let stats = c
+    let stats = node
         .node
-        .node_get_volume_stats(stats_request(volume, &target))
+        .node_get_volume_stats(stats_request(&volume.volume_id, &placed.target))
         .await?
         .into_inner();
     let condition = stats.volume_condition.unwrap_or_default();
     println!("abnormal: {} ({})", condition.abnormal, condition.message);
 
-    step("NodeUnpublishVolume and NodeUnstageVolume: unmount, detach, forget");
-    c.node
-        .node_unpublish_volume(unpublish_request(volume, &target))
-        .await?;
-    c.node
-        .node_unstage_volume(unstage_request(volume, &staging))
-        .await?;
+    step("teardown: NodeUnpublish, NodeUnstage, ControllerUnpublish, DeleteVolume, DeleteSnapshot");
+    remove(&mut ctrl, &mut node, &daemon, &placed_restored).await?;
+    remove(&mut ctrl, &mut node, &daemon, &placed).await?;
+    ctrl.delete_snapshot(DeleteSnapshotRequest {
+        snapshot_id: snap.snapshot_id,
+    })
+    .await?;
     status(&daemon);
     assert!(daemon.journal_files().is_empty(), "no journal record left");
     println!(

@@ -1,0 +1,120 @@
+//! The uStor user's credentials, read from the files of a mounted Secret (`username`,
+//! `password`), re-read when they change so a new password is used without a restart.
+//! The password never appears in `Debug` output or logs.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use crate::error::ControllerError;
+
+#[derive(Clone, PartialEq, Eq)]
+pub struct Credentials {
+    pub username: String,
+    password: String,
+}
+
+impl Credentials {
+    pub fn new(username: impl Into<String>, password: impl Into<String>) -> Self {
+        Self {
+            username: username.into(),
+            password: password.into(),
+        }
+    }
+
+    /// For the login request body only.
+    pub fn password(&self) -> &str {
+        &self.password
+    }
+
+    /// Identifies this pair without revealing it: the login policy remembers which
+    /// credentials were refused by this value, never by the password.
+    pub fn fingerprint(&self) -> u64 {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in self
+            .username
+            .bytes()
+            .chain([0])
+            .chain(self.password.bytes())
+        {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+        h
+    }
+}
+
+impl fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Credentials")
+            .field("username", &self.username)
+            .field("password", &"<redacted>")
+            .finish()
+    }
+}
+
+/// A directory with `username` and `password` files, as Kubernetes mounts a Secret. Kubelet
+/// updates such a mount in place (through a symlink swap), so every read sees a whole pair.
+#[derive(Debug, Clone)]
+pub struct CredentialsDir {
+    dir: PathBuf,
+}
+
+impl CredentialsDir {
+    pub fn new(dir: &Path) -> Self {
+        Self {
+            dir: dir.to_owned(),
+        }
+    }
+
+    pub fn read(&self) -> Result<Credentials, ControllerError> {
+        let read = |name: &str| -> Result<String, ControllerError> {
+            let path = self.dir.join(name);
+            let value = std::fs::read_to_string(&path).map_err(|e| {
+                ControllerError::FailedPrecondition(format!(
+                    "uStor credentials: {}: {e}",
+                    path.display()
+                ))
+            })?;
+            let value = value.trim_end_matches(['\n', '\r']).to_owned();
+            if value.is_empty() {
+                return Err(ControllerError::FailedPrecondition(format!(
+                    "uStor credentials: {} is empty",
+                    path.display()
+                )));
+            }
+            Ok(value)
+        };
+        Ok(Credentials::new(read("username")?, read("password")?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn password_never_shows_and_changes_are_seen() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("username"), "csi\n").unwrap();
+        std::fs::write(dir.path().join("password"), "S3cret@1\n").unwrap();
+        let source = CredentialsDir::new(dir.path());
+        let first = source.read().unwrap();
+        assert_eq!(first.username, "csi");
+        assert_eq!(first.password(), "S3cret@1");
+        let shown = format!("{first:?}");
+        assert!(!shown.contains("S3cret"), "{shown}");
+
+        std::fs::write(dir.path().join("password"), "N3w@pass").unwrap();
+        let second = source.read().unwrap();
+        assert_ne!(
+            first.fingerprint(),
+            second.fingerprint(),
+            "a new password is new credentials"
+        );
+
+        std::fs::write(dir.path().join("password"), "").unwrap();
+        assert!(matches!(
+            source.read(),
+            Err(ControllerError::FailedPrecondition(_))
+        ));
+    }
+}
