@@ -6,95 +6,18 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use csi_proto::csi::controller_client::ControllerClient;
 use csi_proto::csi::volume_capability::access_mode::Mode;
 use csi_proto::csi::volume_content_source::{SnapshotSource, Type as SourceType};
 use csi_proto::csi::*;
 use testkit::controller::ControllerProcess;
 use testkit::csi::*;
 use testkit::daemon::NodeDaemon;
-use tonic::transport::Channel;
+use testkit::placement::{place, remove};
 
 const MIB: i64 = 1 << 20;
 
 fn ext4() -> VolumeCapability {
     mount_capability("ext4", Mode::SingleNodeWriter)
-}
-
-struct Placed {
-    id: String,
-    context: HashMap<String, String>,
-    publish: HashMap<String, String>,
-    staging: std::path::PathBuf,
-    target: std::path::PathBuf,
-}
-
-/// ControllerPublish, NodeStage, NodePublish: a volume as a pod sees it.
-async fn place(
-    ctrl: &mut ControllerClient<Channel>,
-    node: &mut NodeClients,
-    daemon: &NodeDaemon,
-    v: &Volume,
-) -> Placed {
-    let publish = ctrl
-        .controller_publish_volume(ControllerPublishVolumeRequest {
-            volume_id: v.volume_id.clone(),
-            node_id: daemon.node_id.clone(),
-            volume_capability: Some(ext4()),
-            readonly: false,
-            volume_context: v.volume_context.clone(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .publish_context;
-    let name = v.volume_id.rsplit(':').next().unwrap().to_owned();
-    let staging = daemon.scratch().join(format!("staging/{name}"));
-    let target = daemon.scratch().join(format!("pods/{name}/mount"));
-    std::fs::create_dir_all(&staging).unwrap();
-    std::fs::create_dir_all(target.parent().unwrap()).unwrap();
-    let mut stage = stage_request(&v.volume_id, &staging, ext4(), "");
-    stage.volume_context = v.volume_context.clone();
-    stage.publish_context = publish.clone();
-    node.node.node_stage_volume(stage).await.unwrap();
-    let mut req = publish_request(&v.volume_id, &staging, &target, ext4(), "", false);
-    req.volume_context = v.volume_context.clone();
-    req.publish_context = publish.clone();
-    node.node.node_publish_volume(req).await.unwrap();
-    Placed {
-        id: v.volume_id.clone(),
-        context: v.volume_context.clone(),
-        publish,
-        staging,
-        target,
-    }
-}
-
-async fn remove(
-    ctrl: &mut ControllerClient<Channel>,
-    node: &mut NodeClients,
-    daemon: &NodeDaemon,
-    p: &Placed,
-) {
-    node.node
-        .node_unpublish_volume(unpublish_request(&p.id, &p.target))
-        .await
-        .unwrap();
-    node.node
-        .node_unstage_volume(unstage_request(&p.id, &p.staging))
-        .await
-        .unwrap();
-    ctrl.controller_unpublish_volume(ControllerUnpublishVolumeRequest {
-        volume_id: p.id.clone(),
-        node_id: daemon.node_id.clone(),
-    })
-    .await
-    .unwrap();
-    ctrl.delete_volume(DeleteVolumeRequest {
-        volume_id: p.id.clone(),
-    })
-    .await
-    .unwrap();
 }
 
 fn total_mib(path: &Path) -> u64 {
@@ -127,11 +50,13 @@ async fn create_stage_write_snapshot_restore_larger_expand() {
         .into_inner()
         .volume
         .unwrap();
-    let placed = place(&mut ctrl, &mut node, &daemon, &src).await;
+    let placed = place(&mut ctrl, &mut node, &daemon, &src, ext4())
+        .await
+        .unwrap();
     assert!(
-        placed.publish["nbdUri"].starts_with("nbd://127.0.0.1:"),
+        src.volume_context["nbdUri"].starts_with("nbd://127.0.0.1:"),
         "{:?}",
-        placed.context
+        src.volume_context
     );
     let data = testkit::pattern(11, 0, 4 << 20);
     std::fs::write(placed.target.join("data.bin"), &data).unwrap();
@@ -170,7 +95,9 @@ async fn create_stage_write_snapshot_restore_larger_expand() {
         .into_inner()
         .volume
         .unwrap();
-    let placed_restored = place(&mut ctrl, &mut node, &daemon, &restored).await;
+    let placed_restored = place(&mut ctrl, &mut node, &daemon, &restored, ext4())
+        .await
+        .unwrap();
     assert!(std::fs::read(placed_restored.target.join("data.bin")).unwrap() == data);
     assert!(
         total_mib(&placed_restored.target) > 100,
@@ -209,8 +136,12 @@ async fn create_stage_write_snapshot_restore_larger_expand() {
     );
     assert!(std::fs::read(placed.target.join("data.bin")).unwrap() == data);
 
-    remove(&mut ctrl, &mut node, &daemon, &placed_restored).await;
-    remove(&mut ctrl, &mut node, &daemon, &placed).await;
+    remove(&mut ctrl, &mut node, &daemon, &placed_restored)
+        .await
+        .unwrap();
+    remove(&mut ctrl, &mut node, &daemon, &placed)
+        .await
+        .unwrap();
     ctrl.delete_snapshot(DeleteSnapshotRequest {
         snapshot_id: snap.snapshot_id,
     })

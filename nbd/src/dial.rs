@@ -82,43 +82,27 @@ pub async fn dial(uri: &NbdUri, opts: &DialOptions) -> Result<Dialed, Error> {
 
 /// One connection: connect and handshake within `deadline`.
 pub async fn dial_one(uri: &NbdUri, deadline: Duration) -> Result<(ExportInfo, OwnedFd), Error> {
+    let connect_error = |source: std::io::Error| Error::Connect {
+        uri: uri.to_string(),
+        source,
+    };
     let attempt = async {
-        match uri.endpoint() {
+        let (info, fd): (ExportInfo, OwnedFd) = match uri.endpoint() {
             Endpoint::Tcp { host, port } => {
-                let mut stream =
-                    TcpStream::connect((host.as_str(), *port))
-                        .await
-                        .map_err(|source| Error::Connect {
-                            uri: uri.to_string(),
-                            source,
-                        })?;
-                tune_tcp(&stream).map_err(|source| Error::Connect {
-                    uri: uri.to_string(),
-                    source,
-                })?;
+                let mut stream = TcpStream::connect((host.as_str(), *port))
+                    .await
+                    .map_err(connect_error)?;
+                tune_tcp(&stream).map_err(connect_error)?;
                 let info = negotiate(uri, &mut stream).await?;
-                let std = stream.into_std().map_err(|source| Error::Connect {
-                    uri: uri.to_string(),
-                    source,
-                })?;
-                Ok((info, blocking(std.into())?))
+                (info, stream.into_std().map_err(connect_error)?.into())
             }
             Endpoint::Unix { socket } => {
-                let mut stream =
-                    UnixStream::connect(socket)
-                        .await
-                        .map_err(|source| Error::Connect {
-                            uri: uri.to_string(),
-                            source,
-                        })?;
+                let mut stream = UnixStream::connect(socket).await.map_err(connect_error)?;
                 let info = negotiate(uri, &mut stream).await?;
-                let std = stream.into_std().map_err(|source| Error::Connect {
-                    uri: uri.to_string(),
-                    source,
-                })?;
-                Ok((info, blocking(std.into())?))
+                (info, stream.into_std().map_err(connect_error)?.into())
             }
-        }
+        };
+        Ok((info, blocking(fd)?))
     };
     tokio::time::timeout(deadline, attempt)
         .await

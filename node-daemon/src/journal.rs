@@ -102,10 +102,7 @@ impl Journal {
     /// not guess at it.
     pub fn load(&self) -> Result<Loaded, NodeError> {
         let mut loaded = Loaded::default();
-        let entries = fs::read_dir(&self.dir).map_err(|e| io(&self.dir, "reading", e))?;
-        let mut paths: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
-        paths.sort();
-        for path in paths {
+        for path in sorted_entries(&self.dir)? {
             let name = path
                 .file_name()
                 .and_then(|n| n.to_str())
@@ -155,14 +152,10 @@ impl Journal {
     pub fn peek(state_dir: &Path) -> Result<Loaded, NodeError> {
         let dir = state_dir.join("volumes");
         let mut loaded = Loaded::default();
-        let entries = match fs::read_dir(&dir) {
-            Ok(e) => e,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(loaded),
-            Err(e) => return Err(io(&dir, "reading", e)),
-        };
-        let mut paths: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
-        paths.sort();
-        for path in paths {
+        if !dir.exists() {
+            return Ok(loaded);
+        }
+        for path in sorted_entries(&dir)? {
             let name = path
                 .file_name()
                 .and_then(|n| n.to_str())
@@ -197,6 +190,13 @@ impl Journal {
             .and_then(|d| d.sync_all())
             .map_err(|e| io(&self.dir, "syncing", e))
     }
+}
+
+fn sorted_entries(dir: &Path) -> Result<Vec<PathBuf>, NodeError> {
+    let entries = fs::read_dir(dir).map_err(|e| io(dir, "reading", e))?;
+    let mut paths: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
+    paths.sort();
+    Ok(paths)
 }
 
 fn read_record(path: &Path) -> Result<Record, String> {

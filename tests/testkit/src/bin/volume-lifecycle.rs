@@ -5,20 +5,18 @@
 //! step and what the node's `status` command shows. Run by `tests/vm/run --demo` in the VM.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::Instant;
 
-use csi_proto::csi::controller_client::ControllerClient;
 use csi_proto::csi::volume_capability::access_mode::Mode;
 use csi_proto::csi::volume_content_source::{SnapshotSource, Type as SourceType};
 use csi_proto::csi::*;
 use testkit::controller::ControllerProcess;
 use testkit::csi::*;
 use testkit::daemon::NodeDaemon;
-use tonic::transport::Channel;
+use testkit::placement::{place, remove, Error};
 
-type Error = Box<dyn std::error::Error>;
 const MIB: i64 = 1 << 20;
 
 fn step(what: &str) {
@@ -62,83 +60,6 @@ fn create(name: &str, bytes: i64, source: Option<VolumeContentSource>) -> Create
     }
 }
 
-/// A volume as kubelet places it for a pod.
-struct Placed {
-    id: String,
-    staging: PathBuf,
-    target: PathBuf,
-}
-
-async fn place(
-    ctrl: &mut ControllerClient<Channel>,
-    node: &mut NodeClients,
-    daemon: &NodeDaemon,
-    v: &Volume,
-) -> Result<Placed, Error> {
-    let publish = ctrl
-        .controller_publish_volume(ControllerPublishVolumeRequest {
-            volume_id: v.volume_id.clone(),
-            node_id: daemon.node_id.clone(),
-            volume_capability: Some(capability()),
-            readonly: false,
-            volume_context: v.volume_context.clone(),
-        })
-        .await?
-        .into_inner()
-        .publish_context;
-    let name = v
-        .volume_id
-        .rsplit(':')
-        .next()
-        .unwrap_or("volume")
-        .to_owned();
-    let staging = daemon.scratch().join(format!(
-        "plugins/kubernetes.io/csi/ustor-nbd.csi.mindsw.io/{name}/globalmount"
-    ));
-    let target = daemon.scratch().join(format!(
-        "pods/pod-{name}/volumes/kubernetes.io~csi/{name}/mount"
-    ));
-    std::fs::create_dir_all(&staging)?;
-    std::fs::create_dir_all(target.parent().ok_or("target has a parent")?)?;
-    let mut stage = stage_request(&v.volume_id, &staging, capability(), "");
-    stage.volume_context = v.volume_context.clone();
-    stage.publish_context = publish.clone();
-    node.node.node_stage_volume(stage).await?;
-    let mut req = publish_request(&v.volume_id, &staging, &target, capability(), "", false);
-    req.volume_context = v.volume_context.clone();
-    req.publish_context = publish;
-    node.node.node_publish_volume(req).await?;
-    Ok(Placed {
-        id: v.volume_id.clone(),
-        staging,
-        target,
-    })
-}
-
-async fn remove(
-    ctrl: &mut ControllerClient<Channel>,
-    node: &mut NodeClients,
-    daemon: &NodeDaemon,
-    p: &Placed,
-) -> Result<(), Error> {
-    node.node
-        .node_unpublish_volume(unpublish_request(&p.id, &p.target))
-        .await?;
-    node.node
-        .node_unstage_volume(unstage_request(&p.id, &p.staging))
-        .await?;
-    ctrl.controller_unpublish_volume(ControllerUnpublishVolumeRequest {
-        volume_id: p.id.clone(),
-        node_id: daemon.node_id.clone(),
-    })
-    .await?;
-    ctrl.delete_volume(DeleteVolumeRequest {
-        volume_id: p.id.clone(),
-    })
-    .await?;
-    Ok(())
-}
-
 #[tokio::main]
 async fn main() -> Result<(), Error> {
     let started = Instant::now();
@@ -163,7 +84,7 @@ async fn main() -> Result<(), Error> {
     );
 
     step("ControllerPublish, NodeStage (attach, format the blank device, mount), NodePublish");
-    let placed = place(&mut ctrl, &mut node, &daemon, &volume).await?;
+    let placed = place(&mut ctrl, &mut node, &daemon, &volume, capability()).await?;
     status(&daemon);
     let data = testkit::pattern(1, 0, 8 << 20);
     std::fs::write(placed.target.join("hello.bin"), &data)?;
@@ -220,7 +141,7 @@ async fn main() -> Result<(), Error> {
         .into_inner()
         .volume
         .ok_or("volume")?;
-    let placed_restored = place(&mut ctrl, &mut node, &daemon, &restored).await?;
+    let placed_restored = place(&mut ctrl, &mut node, &daemon, &restored, capability()).await?;
     assert!(std::fs::read(placed_restored.target.join("hello.bin"))? == data);
     println!(
         "restored volume holds the data; {}",
