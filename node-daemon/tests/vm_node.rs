@@ -1193,3 +1193,79 @@ async fn heal_wait(
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn a_device_lost_or_taken_over_is_reported_and_never_detached() {
+    use nbd::attach::{self, AttachOptions};
+    use nbd::netlink::NbdNetlink;
+    let mut daemon = NodeDaemon::new("owner", CONFIG).unwrap();
+    let mut c = daemon.start(None).await;
+    let vol = Volume::new(&daemon, "victim", 32 * MIB, block());
+    vol.up(&mut c).await;
+    let index = vol.device(&daemon).unwrap();
+    let sysfs = Sysfs::default();
+    let ours = sysfs.backend(index).unwrap().unwrap();
+    let condition = |c: &mut NodeClients| {
+        let mut node = c.node.clone();
+        let req = stats_request("victim", &vol.target);
+        async move {
+            node.node_get_volume_stats(req)
+                .await
+                .unwrap()
+                .into_inner()
+                .volume_condition
+                .unwrap()
+        }
+    };
+
+    // Someone detaches the device behind the daemon's back.
+    let nl = NbdNetlink::open().await.unwrap();
+    attach::detach(
+        &nl,
+        &sysfs,
+        index,
+        &nbd::BackendId::new(ours.clone()).unwrap(),
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap_or_else(|e| {
+        // The pod's bind mount keeps the device open; its configuration goes at the last close.
+        panic!("detaching behind the daemon's back: {e}")
+    });
+    let cond = condition(&mut c).await;
+    assert!(cond.abnormal, "{}", cond.message);
+
+    // ... and another attachment takes the same device number.
+    let stranger = NbdServer::nbdkit(Listen::Unix, &["memory", "8M"]).unwrap();
+    let mut opts = AttachOptions::new(nbd::BackendId::new("someone-else:1").unwrap());
+    opts.index = Some(index);
+    let foreign = attach::attach(&nl, &sysfs, &stranger.uri(), &opts)
+        .await
+        .unwrap();
+    let cond = condition(&mut c).await;
+    assert!(
+        cond.abnormal && cond.message.contains("someone-else"),
+        "{}",
+        cond.message
+    );
+
+    // Teardown of the volume must not touch the stranger's device.
+    vol.unpublish(&mut c).await.unwrap();
+    vol.unstage(&mut c).await.unwrap();
+    assert_eq!(
+        sysfs.backend(index).unwrap().as_deref(),
+        Some("someone-else:1"),
+        "the stranger keeps its device"
+    );
+    assert_clean(&daemon);
+    attach::detach(
+        &nl,
+        &sysfs,
+        foreign.device.index(),
+        foreign.device.identifier(),
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap();
+}
