@@ -20,6 +20,10 @@ pub enum ControllerError {
     ResourceExhausted(String),
     #[error("{0}")]
     Unavailable(String),
+    #[error("{0}")]
+    Unauthenticated(String),
+    #[error("{0}")]
+    PermissionDenied(String),
     #[error("backend: {0}")]
     Backend(String),
 }
@@ -39,6 +43,8 @@ impl ControllerError {
             ControllerError::Aborted(_) => Code::Aborted,
             ControllerError::ResourceExhausted(_) => Code::ResourceExhausted,
             ControllerError::Unavailable(_) => Code::Unavailable,
+            ControllerError::Unauthenticated(_) => Code::Unauthenticated,
+            ControllerError::PermissionDenied(_) => Code::PermissionDenied,
             ControllerError::Backend(_) => Code::Internal,
         }
     }

@@ -7,6 +7,7 @@ pub mod controller;
 pub mod csi;
 pub mod daemon;
 mod direct;
+pub mod fake_ustor;
 pub mod placement;
 pub mod proxy;
 mod server;

@@ -1,7 +1,8 @@
 //! The uStor backend. The management API is proprietary: the contract this driver assumes is
-//! written down in `controller-shim/USTOR_API.md`. What exists so far is the part that decides
-//! when to log in ([`login`]) and where the credentials come from ([`credentials`]); the HTTP
-//! client and the in-repo server implementing the contract come next.
+//! written down in `controller-shim/USTOR_API.md`. [`login`] decides when to log in,
+//! [`credentials`] reads them from a Secret mount, [`api`] is the HTTP client. The `Backend`
+//! implementation over it is still to come.
 
+pub mod api;
 pub mod credentials;
 pub mod login;

@@ -1,0 +1,305 @@
+//! The client of the uStor management API, per `controller-shim/USTOR_API.md`: login under
+//! the rules of [`LoginPolicy`], bearer tokens renewed on expiry, errors mapped to CSI codes.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use reqwest::{Method, StatusCode};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use tokio::sync::Mutex;
+
+use super::credentials::CredentialsDir;
+use super::login::{Decision, LoginPolicy, Refusal, Timing};
+use crate::error::ControllerError;
+
+/// The API's error body.
+#[derive(Debug, Deserialize)]
+struct ErrorBody {
+    error: ErrorDetail,
+}
+
+#[derive(Debug, Deserialize)]
+struct ErrorDetail {
+    code: String,
+    #[serde(default)]
+    message: String,
+}
+
+#[derive(Debug, Deserialize)]
+struct Token {
+    token: String,
+}
+
+#[derive(Debug)]
+struct Session {
+    policy: LoginPolicy,
+    token: Option<String>,
+}
+
+/// A clock, injectable so the login rules are tested without waiting.
+pub type Clock = Arc<dyn Fn() -> Instant + Send + Sync>;
+
+pub struct UstorApi {
+    base: String,
+    http: reqwest::Client,
+    credentials: CredentialsDir,
+    session: Mutex<Session>,
+    clock: Clock,
+}
+
+impl std::fmt::Debug for UstorApi {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UstorApi")
+            .field("base", &self.base)
+            .finish_non_exhaustive()
+    }
+}
+
+impl UstorApi {
+    /// `base` is the management API's address (`https://host:port`); `ca_pem` the CA that
+    /// signed its certificate, when it is not a public one.
+    pub fn new(
+        base: &str,
+        ca_pem: Option<&[u8]>,
+        credentials: CredentialsDir,
+        timing: Timing,
+        clock: Clock,
+    ) -> Result<Self, ControllerError> {
+        // One process-wide TLS provider; a second install is harmless.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let mut builder = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(10))
+            .timeout(Duration::from_secs(30));
+        if let Some(pem) = ca_pem {
+            let ca = reqwest::Certificate::from_pem(pem).map_err(|e| {
+                ControllerError::FailedPrecondition(format!("uStor CA certificate: {e}"))
+            })?;
+            builder = builder.tls_certs_only([ca]);
+        }
+        let http = builder
+            .build()
+            .map_err(|e| ControllerError::Backend(format!("HTTP client: {e}")))?;
+        Ok(Self {
+            base: base.trim_end_matches('/').to_owned(),
+            http,
+            credentials,
+            session: Mutex::new(Session {
+                policy: LoginPolicy::new(timing),
+                token: None,
+            }),
+            clock,
+        })
+    }
+
+    /// Logs in now if the rules allow it. The outcome is what the connection's Authenticated
+    /// condition shows.
+    pub async fn login(&self) -> Result<(), ControllerError> {
+        let mut session = self.session.lock().await;
+        self.login_locked(&mut session).await
+    }
+
+    async fn login_locked(&self, session: &mut Session) -> Result<(), ControllerError> {
+        let credentials = self.credentials.read()?;
+        let fingerprint = credentials.fingerprint();
+        let now = (self.clock)();
+        if let Decision::Wait { reason, retry_in } = session.policy.decide(now, fingerprint) {
+            return Err(refused(reason, Some(retry_in)));
+        }
+        let body = serde_json::json!({"username": credentials.username, "password": credentials.password()});
+        let outcome = match self
+            .http
+            .post(format!("{}/api/v1/auth/login", self.base))
+            .json(&body)
+            .send()
+            .await
+        {
+            Err(e) => {
+                tracing::warn!(error = %e, "uStor management API unreachable");
+                Err(Refusal::Unreachable)
+            }
+            Ok(r) if r.status().is_success() => match r.json::<Token>().await {
+                Ok(t) => {
+                    session.token = Some(t.token);
+                    Ok(())
+                }
+                Err(e) => {
+                    return Err(ControllerError::Backend(format!("login answer: {e}")));
+                }
+            },
+            Ok(r) => {
+                let code = r
+                    .json::<ErrorBody>()
+                    .await
+                    .map(|b| b.error.code)
+                    .unwrap_or_default();
+                Err(Refusal::from_code(&code))
+            }
+        };
+        session.policy.record(now, fingerprint, outcome);
+        match outcome {
+            Ok(()) => {
+                tracing::info!(user = %credentials.username, "logged in to uStor");
+                Ok(())
+            }
+            Err(reason) => {
+                session.token = None;
+                tracing::error!(user = %credentials.username, %reason, advice = reason.advice(), "uStor refused the login");
+                Err(refused(reason, None))
+            }
+        }
+    }
+
+    /// The hourly login, and a retry of a refused one once the rules allow: run it every
+    /// minute or so.
+    pub async fn keepalive(&self) -> Result<(), ControllerError> {
+        let mut session = self.session.lock().await;
+        if session.policy.check_due((self.clock)()) {
+            session.token = None;
+            self.login_locked(&mut session).await
+        } else {
+            Ok(())
+        }
+    }
+
+    /// The last login refusal, if the last attempt was refused.
+    pub async fn refusal(&self) -> Option<Refusal> {
+        self.session.lock().await.policy.refusal()
+    }
+
+    /// One API call; logs in first if needed, and once more if the token expired.
+    pub async fn call<T: DeserializeOwned, B: Serialize + ?Sized>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&B>,
+    ) -> Result<Option<T>, ControllerError> {
+        for attempt in 0..2 {
+            let token = {
+                let mut session = self.session.lock().await;
+                if session.token.is_none() {
+                    self.login_locked(&mut session).await?;
+                }
+                session.token.clone().unwrap_or_default()
+            };
+            let mut req = self
+                .http
+                .request(method.clone(), format!("{}{path}", self.base))
+                .bearer_auth(token);
+            if let Some(b) = body {
+                req = req.json(b);
+            }
+            let resp = req
+                .send()
+                .await
+                .map_err(|e| ControllerError::Unavailable(format!("uStor management API: {e}")))?;
+            let status = resp.status();
+            if status.is_success() {
+                if status == StatusCode::NO_CONTENT {
+                    return Ok(None);
+                }
+                return resp
+                    .json::<T>()
+                    .await
+                    .map(Some)
+                    .map_err(|e| ControllerError::Backend(format!("{method} {path}: {e}")));
+            }
+            let detail = resp
+                .json::<ErrorBody>()
+                .await
+                .map(|b| b.error)
+                .unwrap_or(ErrorDetail {
+                    code: String::new(),
+                    message: String::new(),
+                });
+            if status == StatusCode::UNAUTHORIZED && detail.code == "TokenExpired" && attempt == 0 {
+                self.session.lock().await.token = None;
+                continue;
+            }
+            return Err(api_error(status, &detail, &method, path));
+        }
+        Err(ControllerError::Unavailable(format!(
+            "{method} {path}: token expired twice in a row"
+        )))
+    }
+}
+
+fn refused(reason: Refusal, retry_in: Option<Duration>) -> ControllerError {
+    let wait = retry_in
+        .map(|d| {
+            format!(
+                "; not retried with the same credentials for another {}s",
+                d.as_secs()
+            )
+        })
+        .unwrap_or_default();
+    let msg = format!(
+        "uStor refused the login: {reason} ({}){wait}",
+        reason.advice()
+    );
+    if reason == Refusal::Unreachable {
+        ControllerError::Unavailable(msg)
+    } else {
+        ControllerError::Unauthenticated(msg)
+    }
+}
+
+/// The contract's error table, in one place.
+fn api_error(
+    status: StatusCode,
+    detail: &ErrorDetail,
+    method: &Method,
+    path: &str,
+) -> ControllerError {
+    let msg = format!(
+        "uStor {method} {path}: {} {}: {}",
+        status.as_u16(),
+        detail.code,
+        detail.message
+    );
+    match (status.as_u16(), detail.code.as_str()) {
+        (400, _) => ControllerError::InvalidArgument(msg),
+        (401, _) => ControllerError::Unauthenticated(msg),
+        (403, _) => ControllerError::PermissionDenied(msg),
+        (404, _) => ControllerError::NotFound(msg),
+        (409, "AlreadyExists") => ControllerError::AlreadyExists(msg),
+        (409, _) => ControllerError::FailedPrecondition(msg),
+        (429 | 503, _) => ControllerError::Unavailable(msg),
+        (507, _) => ControllerError::ResourceExhausted(msg),
+        _ => ControllerError::Backend(msg),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_error_table_maps_to_csi_codes() {
+        let d = |code: &str| ErrorDetail {
+            code: code.into(),
+            message: "m".into(),
+        };
+        let cases = [
+            (400, "InvalidArgument", tonic::Code::InvalidArgument),
+            (401, "LoginRejected", tonic::Code::Unauthenticated),
+            (403, "Forbidden", tonic::Code::PermissionDenied),
+            (404, "NotFound", tonic::Code::NotFound),
+            (409, "AlreadyExists", tonic::Code::AlreadyExists),
+            (409, "HasDependents", tonic::Code::FailedPrecondition),
+            (503, "Unavailable", tonic::Code::Unavailable),
+            (507, "NoSpace", tonic::Code::ResourceExhausted),
+            (500, "Oops", tonic::Code::Internal),
+        ];
+        for (status, code, want) in cases {
+            let e = api_error(
+                StatusCode::from_u16(status).unwrap(),
+                &d(code),
+                &Method::GET,
+                "/x",
+            );
+            assert_eq!(e.code(), want, "{status} {code}");
+            assert!(e.to_string().contains(code));
+        }
+    }
+}

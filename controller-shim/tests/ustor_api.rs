@@ -1,0 +1,196 @@
+//! The uStor API client against the in-repo server that implements the contract: every login
+//! outcome and its named reason, the 5-minute pause after a refusal, new credentials tried at
+//! once, the hourly keep-alive login, token renewal, and API errors mapped to CSI codes.
+
+#![allow(clippy::unwrap_used)] // a test fails by panicking
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use controller_shim::backend::ustor::api::UstorApi;
+use controller_shim::backend::ustor::credentials::CredentialsDir;
+use controller_shim::backend::ustor::login::Timing;
+use reqwest::Method;
+use serde_json::{json, Value};
+use testkit::fake_ustor::FakeUstor;
+use tonic::Code;
+
+const MIN: Duration = Duration::from_secs(60);
+
+/// A clock the test moves by hand.
+#[derive(Clone)]
+struct TestClock(Arc<Mutex<Instant>>);
+
+impl TestClock {
+    fn new() -> Self {
+        Self(Arc::new(Mutex::new(Instant::now())))
+    }
+    fn advance(&self, d: Duration) {
+        *self.0.lock().unwrap() += d;
+    }
+}
+
+fn secret(dir: &Path, user: &str, password: &str) {
+    std::fs::write(dir.join("username"), user).unwrap();
+    std::fs::write(dir.join("password"), password).unwrap();
+}
+
+fn client(server_url: &str, dir: &Path, clock: &TestClock) -> UstorApi {
+    let c = clock.clone();
+    UstorApi::new(
+        server_url,
+        None,
+        CredentialsDir::new(dir),
+        Timing::default(),
+        Arc::new(move || *c.0.lock().unwrap()),
+    )
+    .unwrap()
+}
+
+#[tokio::test]
+async fn every_refusal_is_named() {
+    let server = FakeUstor::start().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    for reason in [
+        "UserLocked",
+        "PasswordExpired",
+        "TemporaryPassword",
+        "LoginRejected",
+    ] {
+        server.set_user("csi", "pw", Some(reason));
+        secret(dir.path(), "csi", &format!("pw-{reason}"));
+        let api = client(&server.url(), dir.path(), &TestClock::new());
+        let err = api.login().await.unwrap_err();
+        assert_eq!(err.code(), Code::Unauthenticated);
+        assert!(err.to_string().contains(reason), "{err}");
+        assert!(!err.to_string().contains("invalid credentials"));
+        assert!(
+            !err.to_string().contains("pw-"),
+            "the password never shows: {err}"
+        );
+    }
+    secret(dir.path(), "nobody", "pw");
+    let err = client(&server.url(), dir.path(), &TestClock::new())
+        .login()
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("UserNotFound"), "{err}");
+
+    // Nothing listening: Unreachable, a retryable CSI code.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let err = client(&format!("http://{closed}"), dir.path(), &TestClock::new())
+        .login()
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable);
+    assert!(err.to_string().contains("Unreachable"), "{err}");
+}
+
+#[tokio::test]
+async fn refused_credentials_wait_five_minutes_new_ones_do_not() {
+    let server = FakeUstor::start().await.unwrap();
+    server.set_user("csi", "right", None);
+    let dir = tempfile::tempdir().unwrap();
+    secret(dir.path(), "csi", "typo");
+    let clock = TestClock::new();
+    let api = client(&server.url(), dir.path(), &clock);
+
+    assert!(api.login().await.is_err());
+    assert_eq!(server.logins(), 1);
+    for _ in 0..5 {
+        clock.advance(MIN - Duration::from_secs(1));
+        let err = api.login().await.unwrap_err();
+        assert!(err.to_string().contains("not retried"), "{err}");
+    }
+    assert_eq!(
+        server.logins(),
+        1,
+        "a typo must not lock the user: no retry for 5 minutes"
+    );
+    clock.advance(Duration::from_secs(10));
+    assert!(api.login().await.is_err());
+    assert_eq!(server.logins(), 2, "retried after 5 minutes");
+
+    // The Secret is fixed: the new password is tried at once, without a restart.
+    secret(dir.path(), "csi", "right");
+    api.login().await.unwrap();
+    assert_eq!(server.logins(), 3);
+    assert_eq!(api.refusal().await, None);
+}
+
+#[tokio::test]
+async fn an_idle_controller_logs_in_every_hour() {
+    let server = FakeUstor::start().await.unwrap();
+    server.set_user("csi", "pw", None);
+    let dir = tempfile::tempdir().unwrap();
+    secret(dir.path(), "csi", "pw");
+    let clock = TestClock::new();
+    let api = client(&server.url(), dir.path(), &clock);
+    api.keepalive().await.unwrap();
+    assert_eq!(server.logins(), 1, "the first keep-alive logs in");
+    clock.advance(59 * MIN);
+    api.keepalive().await.unwrap();
+    assert_eq!(server.logins(), 1);
+    clock.advance(MIN);
+    api.keepalive().await.unwrap();
+    assert_eq!(server.logins(), 2, "an hour later, again");
+}
+
+#[tokio::test]
+async fn api_errors_map_to_csi_codes_and_tokens_are_renewed() {
+    let server = FakeUstor::start().await.unwrap();
+    server.set_user("csi", "pw", None);
+    let dir = tempfile::tempdir().unwrap();
+    secret(dir.path(), "csi", "pw");
+    let api = client(&server.url(), dir.path(), &TestClock::new());
+
+    let body = json!({"name": "k8s-pvc-1", "sizeBytes": 1u64 << 30, "source": null, "labels": {}});
+    let created: Value = api
+        .call(Method::POST, "/api/v1/pools/data/images", Some(&body))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(created["nbd"]["export"], "k8s-pvc-1");
+    assert_eq!(server.logins(), 1, "logged in on first use");
+    let err = api
+        .call::<Value, _>(Method::POST, "/api/v1/pools/data/images", Some(&body))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::AlreadyExists);
+    let err = api
+        .call::<Value, Value>(Method::GET, "/api/v1/pools/data/images/k8s-missing", None)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound);
+    let err = api
+        .call::<Value, _>(
+            Method::PATCH,
+            "/api/v1/pools/data/images/k8s-pvc-1",
+            Some(&json!({"sizeBytes": 1})),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "images only grow");
+
+    server.expire_tokens();
+    let image: Value = api
+        .call::<Value, Value>(Method::GET, "/api/v1/pools/data/images/k8s-pvc-1", None)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(image["sizeBytes"], 1u64 << 30);
+    assert_eq!(
+        server.logins(),
+        2,
+        "an expired token is renewed once, transparently"
+    );
+    let gone = api
+        .call::<Value, Value>(Method::DELETE, "/api/v1/pools/data/images/k8s-pvc-1", None)
+        .await
+        .unwrap();
+    assert!(gone.is_none(), "204 has no body");
+}

@@ -1,0 +1,335 @@
+//! An in-repo server implementing exactly the uStor management API contract of
+//! `controller-shim/USTOR_API.md` (login, pools, images, snapshots), in memory, over plain
+//! HTTP on loopback. Tests steer it: which users exist and why a login is refused, token
+//! expiry, and they read how many logins reached it.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+
+#[derive(Debug, Default)]
+struct Inner {
+    /// username → (password, refusal code if logins are refused).
+    users: Mutex<HashMap<String, (String, Option<String>)>>,
+    tokens: Mutex<Vec<String>>,
+    images: Mutex<HashMap<String, Value>>,
+    snapshots: Mutex<HashMap<String, Value>>,
+    logins: AtomicUsize,
+}
+
+#[derive(Debug, Clone)]
+pub struct FakeUstor {
+    inner: Arc<Inner>,
+    pub addr: SocketAddr,
+    task: Arc<tokio::task::JoinHandle<()>>,
+}
+
+fn error(status: StatusCode, code: &str, message: &str) -> Response {
+    (
+        status,
+        Json(json!({"error": {"code": code, "message": message}})),
+    )
+        .into_response()
+}
+
+impl FakeUstor {
+    pub async fn start() -> std::io::Result<Self> {
+        let inner = Arc::new(Inner::default());
+        let app = Router::new()
+            .route("/api/v1/auth/login", post(login))
+            .route("/api/v1/pools/{pool}", get(pool))
+            .route("/api/v1/pools/{pool}/images", post(create_image))
+            .route(
+                "/api/v1/pools/{pool}/images/{name}",
+                get(get_image).patch(patch_image).delete(delete_image),
+            )
+            .route(
+                "/api/v1/pools/{pool}/images/{name}/snapshots",
+                post(create_snapshot),
+            )
+            .route("/api/v1/pools/{pool}/snapshots", get(list_snapshots))
+            .route(
+                "/api/v1/pools/{pool}/snapshots/{name}",
+                get(get_snapshot).delete(delete_snapshot),
+            )
+            .with_state(Arc::clone(&inner));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let task = tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        Ok(Self {
+            inner,
+            addr,
+            task: Arc::new(task),
+        })
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Adds a user; `refusal` makes every login of it fail with that code.
+    pub fn set_user(&self, name: &str, password: &str, refusal: Option<&str>) {
+        self.inner
+            .users
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(name.into(), (password.into(), refusal.map(String::from)));
+    }
+
+    /// Logins that reached the server.
+    pub fn logins(&self) -> usize {
+        self.inner.logins.load(Ordering::SeqCst)
+    }
+
+    /// Every token issued so far expires: the next call answers 401 TokenExpired.
+    pub fn expire_tokens(&self) {
+        self.inner
+            .tokens
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+    }
+}
+
+impl Drop for FakeUstor {
+    fn drop(&mut self) {
+        if Arc::strong_count(&self.task) == 1 {
+            self.task.abort();
+        }
+    }
+}
+
+type St = State<Arc<Inner>>;
+
+fn authorized(s: &Inner, headers: &HeaderMap) -> bool {
+    let token = headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or_default();
+    s.tokens
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .any(|t| t == token)
+}
+
+fn expired() -> Response {
+    error(StatusCode::UNAUTHORIZED, "TokenExpired", "log in again")
+}
+
+async fn login(State(s): St, Json(body): Json<Value>) -> Response {
+    s.logins.fetch_add(1, Ordering::SeqCst);
+    let user = body["username"].as_str().unwrap_or_default();
+    let password = body["password"].as_str().unwrap_or_default();
+    let users = s.users.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    match users.get(user) {
+        None => error(StatusCode::UNAUTHORIZED, "UserNotFound", "no such user"),
+        Some((_, Some(reason))) => error(StatusCode::UNAUTHORIZED, reason, "refused"),
+        Some((p, None)) if p != password => {
+            error(StatusCode::UNAUTHORIZED, "LoginRejected", "wrong password")
+        }
+        Some(_) => {
+            let token = format!("t{}", s.logins.load(Ordering::SeqCst));
+            s.tokens
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(token.clone());
+            Json(json!({"token": token, "expiresIn": 3600})).into_response()
+        }
+    }
+}
+
+async fn pool(State(s): St, headers: HeaderMap, Path(pool): Path<String>) -> Response {
+    if !authorized(&s, &headers) {
+        return expired();
+    }
+    Json(json!({"name": pool, "totalBytes": 1u64 << 40, "freeBytes": 1u64 << 39})).into_response()
+}
+
+async fn create_image(
+    State(s): St,
+    headers: HeaderMap,
+    Path(pool): Path<String>,
+    Json(body): Json<Value>,
+) -> Response {
+    if !authorized(&s, &headers) {
+        return expired();
+    }
+    let name = body["name"].as_str().unwrap_or_default().to_owned();
+    let Some(size) = body["sizeBytes"].as_u64() else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "InvalidArgument",
+            "sizeBytes is required",
+        );
+    };
+    let mut images = s.images.lock().unwrap_or_else(|p| p.into_inner());
+    let key = format!("{pool}/{name}");
+    if images.contains_key(&key) {
+        return error(StatusCode::CONFLICT, "AlreadyExists", "image exists");
+    }
+    let image = json!({"name": name, "sizeBytes": size, "labels": body["labels"].clone(),
+        "nbd": {"host": "127.0.0.1", "port": 10809, "export": name}});
+    images.insert(key, image.clone());
+    (StatusCode::CREATED, Json(image)).into_response()
+}
+
+async fn get_image(
+    State(s): St,
+    headers: HeaderMap,
+    Path((pool, name)): Path<(String, String)>,
+) -> Response {
+    if !authorized(&s, &headers) {
+        return expired();
+    }
+    match s
+        .images
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(&format!("{pool}/{name}"))
+    {
+        Some(i) => Json(i.clone()).into_response(),
+        None => error(StatusCode::NOT_FOUND, "NotFound", "no such image"),
+    }
+}
+
+async fn patch_image(
+    State(s): St,
+    headers: HeaderMap,
+    Path((pool, name)): Path<(String, String)>,
+    Json(body): Json<Value>,
+) -> Response {
+    if !authorized(&s, &headers) {
+        return expired();
+    }
+    let mut images = s.images.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(image) = images.get_mut(&format!("{pool}/{name}")) else {
+        return error(StatusCode::NOT_FOUND, "NotFound", "no such image");
+    };
+    if let Some(size) = body["sizeBytes"].as_u64() {
+        if size < image["sizeBytes"].as_u64().unwrap_or_default() {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "InvalidArgument",
+                "images only grow",
+            );
+        }
+        image["sizeBytes"] = json!(size);
+    }
+    if body["labels"].is_object() {
+        image["labels"] = body["labels"].clone();
+    }
+    Json(image.clone()).into_response()
+}
+
+async fn delete_image(
+    State(s): St,
+    headers: HeaderMap,
+    Path((pool, name)): Path<(String, String)>,
+) -> Response {
+    if !authorized(&s, &headers) {
+        return expired();
+    }
+    match s
+        .images
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(&format!("{pool}/{name}"))
+    {
+        Some(_) => StatusCode::NO_CONTENT.into_response(),
+        None => error(StatusCode::NOT_FOUND, "NotFound", "no such image"),
+    }
+}
+
+async fn create_snapshot(
+    State(s): St,
+    headers: HeaderMap,
+    Path((pool, image)): Path<(String, String)>,
+    Json(body): Json<Value>,
+) -> Response {
+    if !authorized(&s, &headers) {
+        return expired();
+    }
+    let Some(source) = s
+        .images
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(&format!("{pool}/{image}"))
+        .cloned()
+    else {
+        return error(StatusCode::NOT_FOUND, "NotFound", "no such image");
+    };
+    let name = body["name"].as_str().unwrap_or_default().to_owned();
+    let mut snaps = s.snapshots.lock().unwrap_or_else(|p| p.into_inner());
+    let key = format!("{pool}/{name}");
+    if snaps.contains_key(&key) {
+        return error(StatusCode::CONFLICT, "AlreadyExists", "snapshot exists");
+    }
+    let snap = json!({"name": name, "image": image, "sizeBytes": source["sizeBytes"], "createdAt": "2026-11-29T00:00:00Z"});
+    snaps.insert(key, snap.clone());
+    (StatusCode::CREATED, Json(snap)).into_response()
+}
+
+async fn list_snapshots(State(s): St, headers: HeaderMap, Path(pool): Path<String>) -> Response {
+    if !authorized(&s, &headers) {
+        return expired();
+    }
+    let snaps: Vec<Value> = s
+        .snapshots
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .filter(|(k, _)| k.starts_with(&format!("{pool}/")))
+        .map(|(_, v)| v.clone())
+        .collect();
+    Json(json!({"snapshots": snaps})).into_response()
+}
+
+async fn get_snapshot(
+    State(s): St,
+    headers: HeaderMap,
+    Path((pool, name)): Path<(String, String)>,
+) -> Response {
+    if !authorized(&s, &headers) {
+        return expired();
+    }
+    match s
+        .snapshots
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(&format!("{pool}/{name}"))
+    {
+        Some(v) => Json(v.clone()).into_response(),
+        None => error(StatusCode::NOT_FOUND, "NotFound", "no such snapshot"),
+    }
+}
+
+async fn delete_snapshot(
+    State(s): St,
+    headers: HeaderMap,
+    Path((pool, name)): Path<(String, String)>,
+) -> Response {
+    if !authorized(&s, &headers) {
+        return expired();
+    }
+    match s
+        .snapshots
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(&format!("{pool}/{name}"))
+    {
+        Some(_) => StatusCode::NO_CONTENT.into_response(),
+        None => error(StatusCode::NOT_FOUND, "NotFound", "no such snapshot"),
+    }
+}
