@@ -124,6 +124,30 @@ fn authorized(s: &Inner, headers: &HeaderMap) -> bool {
         .any(|t| t == token)
 }
 
+/// GET of one object: 200 with it, or 404.
+fn fetch(map: &Mutex<HashMap<String, Value>>, key: &str, what: &str) -> Response {
+    match map.lock().unwrap_or_else(|p| p.into_inner()).get(key) {
+        Some(v) => Json(v.clone()).into_response(),
+        None => error(
+            StatusCode::NOT_FOUND,
+            "NotFound",
+            &format!("no such {what}"),
+        ),
+    }
+}
+
+/// DELETE of one object: 204, or 404.
+fn take(map: &Mutex<HashMap<String, Value>>, key: &str, what: &str) -> Response {
+    match map.lock().unwrap_or_else(|p| p.into_inner()).remove(key) {
+        Some(_) => StatusCode::NO_CONTENT.into_response(),
+        None => error(
+            StatusCode::NOT_FOUND,
+            "NotFound",
+            &format!("no such {what}"),
+        ),
+    }
+}
+
 fn expired() -> Response {
     error(StatusCode::UNAUTHORIZED, "TokenExpired", "log in again")
 }
@@ -193,15 +217,7 @@ async fn get_image(
     if !authorized(&s, &headers) {
         return expired();
     }
-    match s
-        .images
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .get(&format!("{pool}/{name}"))
-    {
-        Some(i) => Json(i.clone()).into_response(),
-        None => error(StatusCode::NOT_FOUND, "NotFound", "no such image"),
-    }
+    fetch(&s.images, &format!("{pool}/{name}"), "image")
 }
 
 async fn patch_image(
@@ -241,15 +257,7 @@ async fn delete_image(
     if !authorized(&s, &headers) {
         return expired();
     }
-    match s
-        .images
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .remove(&format!("{pool}/{name}"))
-    {
-        Some(_) => StatusCode::NO_CONTENT.into_response(),
-        None => error(StatusCode::NOT_FOUND, "NotFound", "no such image"),
-    }
+    take(&s.images, &format!("{pool}/{name}"), "image")
 }
 
 async fn create_snapshot(
@@ -304,15 +312,7 @@ async fn get_snapshot(
     if !authorized(&s, &headers) {
         return expired();
     }
-    match s
-        .snapshots
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .get(&format!("{pool}/{name}"))
-    {
-        Some(v) => Json(v.clone()).into_response(),
-        None => error(StatusCode::NOT_FOUND, "NotFound", "no such snapshot"),
-    }
+    fetch(&s.snapshots, &format!("{pool}/{name}"), "snapshot")
 }
 
 async fn delete_snapshot(
@@ -323,13 +323,5 @@ async fn delete_snapshot(
     if !authorized(&s, &headers) {
         return expired();
     }
-    match s
-        .snapshots
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .remove(&format!("{pool}/{name}"))
-    {
-        Some(_) => StatusCode::NO_CONTENT.into_response(),
-        None => error(StatusCode::NOT_FOUND, "NotFound", "no such snapshot"),
-    }
+    take(&s.snapshots, &format!("{pool}/{name}"), "snapshot")
 }
