@@ -68,8 +68,14 @@ impl Handle {
                 "{field} {raw:?} belongs to backend {b:?}; this controller serves {backend:?}"
             )));
         }
-        valid_image(image)
-            .map_err(|why| ControllerError::invalid(format!("{field} {raw:?}: {why}")))?;
+        // A backend with pools keys images as `<pool>/<image>`.
+        let mut segments = image.split('/');
+        let valid = segments.clone().count() <= 2 && segments.all(|s| valid_image(s).is_ok());
+        if !valid {
+            return Err(ControllerError::invalid(format!(
+                "{field} {raw:?}: image name {image:?} is not valid"
+            )));
+        }
         Ok(Self::new(backend, kind, image.to_owned()))
     }
 }
@@ -160,12 +166,19 @@ mod tests {
             Handle::parse("local:volume:k8s-pvc-1", "local", Kind::Volume).unwrap(),
             h
         );
+        assert_eq!(
+            Handle::parse("ustor:volume:data/k8s-pvc-1", "ustor", Kind::Volume)
+                .unwrap()
+                .image,
+            "data/k8s-pvc-1"
+        );
         for (bad, why) in [
             ("", "required"),
             ("k8s-pvc-1", "not an id this driver issued"),
             ("local:snapshot:k8s-s", "names a snapshot"),
             ("ustor:volume:k8s-pvc-1", "belongs to backend"),
             ("local:volume:../etc", "not valid"),
+            ("local:volume:a/b/c", "not valid"),
             ("local:volume:UPPER", "not valid"),
         ] {
             let err = Handle::parse(bad, "local", Kind::Volume).unwrap_err();

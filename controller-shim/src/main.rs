@@ -4,10 +4,16 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use clap::{Parser, Subcommand, ValueEnum};
 use controller_shim::backend::local::LocalBackend;
+use controller_shim::backend::ustor::api::UstorApi;
+use controller_shim::backend::ustor::backend::UstorBackend;
+use controller_shim::backend::ustor::credentials::CredentialsDir;
+use controller_shim::backend::ustor::login::Timing;
+use controller_shim::backend::Backend;
 use controller_shim::exports::ExportServer;
 use controller_shim::ids::valid_cluster_id;
 
@@ -18,9 +24,10 @@ struct Cli {
     command: Command,
 }
 
-#[derive(Debug, Clone, Copy, ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum BackendKind {
     Local,
+    Ustor,
 }
 
 #[derive(Debug, Subcommand)]
@@ -46,6 +53,18 @@ enum Command {
         /// local: do not start nbdkit (something else serves the directory).
         #[arg(long)]
         no_export_server: bool,
+        /// ustor: the management API (controlPlane.address).
+        #[arg(long)]
+        ustor_url: Option<String>,
+        /// ustor: directory with `username` and `password` files (the mounted Secret).
+        #[arg(long, default_value = "/etc/ustor-csi/credentials")]
+        ustor_credentials: PathBuf,
+        /// ustor: CA certificate of the management API (PEM).
+        #[arg(long)]
+        ustor_ca: Option<PathBuf>,
+        /// ustor: pool of volumes whose StorageClass names none.
+        #[arg(long, default_value = "data")]
+        ustor_pool: String,
     },
 }
 
@@ -56,56 +75,82 @@ fn main() -> Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
-    match Cli::parse().command {
-        Command::Serve {
-            csi_endpoint,
-            backend: BackendKind::Local,
-            cluster_id,
-            local_dir,
-            local_listen,
-            local_export_address,
-            no_export_server,
-        } => {
-            valid_cluster_id(&cluster_id).map_err(anyhow::Error::msg)?;
-            let socket = PathBuf::from(
-                csi_endpoint
-                    .strip_prefix("unix://")
-                    .unwrap_or(&csi_endpoint),
-            );
-            anyhow::ensure!(
-                socket.is_absolute(),
-                "--csi-endpoint must be unix:///absolute/path"
-            );
-            let export_address = local_export_address.unwrap_or_else(|| local_listen.to_string());
-            let backend = LocalBackend::open(&local_dir, &export_address)?;
-            tokio::runtime::Builder::new_multi_thread()
-                .enable_all()
-                .build()?
-                .block_on(async move {
-                    let supervisor = (!no_export_server).then(|| {
-                        tokio::spawn(
+    let Command::Serve {
+        csi_endpoint,
+        backend,
+        cluster_id,
+        local_dir,
+        local_listen,
+        local_export_address,
+        no_export_server,
+        ustor_url,
+        ustor_credentials,
+        ustor_ca,
+        ustor_pool,
+    } = Cli::parse().command;
+    valid_cluster_id(&cluster_id).map_err(anyhow::Error::msg)?;
+    let socket = PathBuf::from(
+        csi_endpoint
+            .strip_prefix("unix://")
+            .unwrap_or(&csi_endpoint),
+    );
+    anyhow::ensure!(
+        socket.is_absolute(),
+        "--csi-endpoint must be unix:///absolute/path"
+    );
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(async move {
+            let stop = async {
+                let _ = tokio::signal::ctrl_c().await;
+            };
+            let mut background = Vec::new();
+            let backend: Arc<dyn Backend> = match backend {
+                BackendKind::Local => {
+                    let export_address =
+                        local_export_address.unwrap_or_else(|| local_listen.to_string());
+                    let local = LocalBackend::open(&local_dir, &export_address)?;
+                    if !no_export_server {
+                        background.push(tokio::spawn(
                             ExportServer {
-                                images: backend.images_dir(),
+                                images: local.images_dir(),
                                 listen: local_listen,
                             }
                             .supervise(),
-                        )
-                    });
-                    let stop = async {
-                        let _ = tokio::signal::ctrl_c().await;
-                    };
-                    let result = controller_shim::server::serve(
-                        &socket,
-                        Arc::new(backend),
-                        cluster_id,
-                        stop,
-                    )
-                    .await;
-                    if let Some(s) = supervisor {
-                        s.abort();
+                        ));
                     }
-                    result
-                })
-        }
-    }
+                    Arc::new(local)
+                }
+                BackendKind::Ustor => {
+                    let url = ustor_url
+                        .ok_or_else(|| anyhow::anyhow!("--backend ustor needs --ustor-url"))?;
+                    let ca = ustor_ca.map(std::fs::read).transpose()?;
+                    let api = Arc::new(UstorApi::new(
+                        &url,
+                        ca.as_deref(),
+                        CredentialsDir::new(&ustor_credentials),
+                        Timing::default(),
+                        Arc::new(Instant::now),
+                    )?);
+                    // The hourly login (uStor locks users idle for 45 days), and the retry of a
+                    // refused one once its pause is over, even when no volume is created.
+                    let keepalive = Arc::clone(&api);
+                    background.push(tokio::spawn(async move {
+                        loop {
+                            if let Err(e) = keepalive.keepalive().await {
+                                tracing::warn!(error = %e, "uStor login check");
+                            }
+                            tokio::time::sleep(Duration::from_secs(60)).await;
+                        }
+                    }));
+                    Arc::new(UstorBackend::new(api, &ustor_pool))
+                }
+            };
+            let result = controller_shim::server::serve(&socket, backend, cluster_id, stop).await;
+            for task in background {
+                task.abort();
+            }
+            result
+        })
 }

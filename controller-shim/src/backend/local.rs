@@ -167,8 +167,8 @@ impl Backend for LocalBackend {
         GRANULARITY
     }
 
-    fn export_uri(&self, image: &str) -> String {
-        format!("nbd://{}/{image}", self.export_address)
+    async fn export_uri(&self, image: &str) -> Result<String, ControllerError> {
+        Ok(format!("nbd://{}/{image}", self.export_address))
     }
 
     async fn volume(&self, image: &str) -> Result<Option<VolumeMeta>, ControllerError> {

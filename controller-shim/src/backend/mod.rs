@@ -48,7 +48,22 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// Sizes are rounded up to a multiple of this.
     fn granularity(&self) -> u64;
     /// The NBD URI nodes attach the image through.
-    fn export_uri(&self, image: &str) -> String;
+    async fn export_uri(&self, image: &str) -> Result<String, ControllerError>;
+
+    /// Where a new volume's image lives, as the backend keys it (for uStor, `<pool>/<image>`
+    /// with the pool from the StorageClass). The key is what volume ids carry.
+    fn volume_key(
+        &self,
+        image: &str,
+        _parameters: &BTreeMap<String, String>,
+    ) -> Result<String, ControllerError> {
+        Ok(image.to_owned())
+    }
+
+    /// Where a snapshot of the volume keyed `source` lives (uStor keeps it in the volume's pool).
+    fn snapshot_key(&self, image: &str, _source: &str) -> String {
+        image.to_owned()
+    }
 
     async fn volume(&self, image: &str) -> Result<Option<VolumeMeta>, ControllerError>;
     /// Creates the image (empty, or filled from `meta.source`) and records `meta`.

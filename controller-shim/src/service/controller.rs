@@ -101,12 +101,17 @@ impl ControllerService {
         Ok(size)
     }
 
-    fn volume_response(&self, image: &str, meta: &VolumeMeta) -> Volume {
-        let mut context = HashMap::from([("nbdUri".to_owned(), self.backend.export_uri(image))]);
+    async fn volume_response(
+        &self,
+        image: &str,
+        meta: &VolumeMeta,
+    ) -> Result<Volume, ControllerError> {
+        let mut context =
+            HashMap::from([("nbdUri".to_owned(), self.backend.export_uri(image).await?)]);
         if let Some(n) = meta.parameters.get("nbdConnections") {
             context.insert("nbdConnections".into(), n.clone());
         }
-        Volume {
+        Ok(Volume {
             capacity_bytes: meta.size as i64,
             volume_id: Handle::new(self.backend.name(), Kind::Volume, image.to_owned()).to_string(),
             volume_context: context,
@@ -114,7 +119,7 @@ impl ControllerService {
             accessible_topology: vec![Topology {
                 segments: [(TOPOLOGY_KEY.to_owned(), "true".to_owned())].into(),
             }],
-        }
+        })
     }
 
     fn content_source(&self, source: &Source) -> VolumeContentSource {
@@ -159,6 +164,7 @@ impl ControllerService {
             check_capability(cap)?;
         }
         let parameters = parameters(&r.parameters)?;
+        let image = self.backend.volume_key(&image, &parameters)?;
         let backend = self.backend.name();
         let (source, minimum) = match r.volume_content_source.and_then(|s| s.r#type) {
             None => (None, 0),
@@ -197,7 +203,7 @@ impl ControllerService {
                 )));
             }
             return Ok(CreateVolumeResponse {
-                volume: Some(self.volume_response(&image, &existing)),
+                volume: Some(self.volume_response(&image, &existing).await?),
             });
         }
         let meta = VolumeMeta {
@@ -210,7 +216,7 @@ impl ControllerService {
         self.backend.create_volume(&image, &meta).await?;
         tracing::info!(%image, size, "volume created");
         Ok(CreateVolumeResponse {
-            volume: Some(self.volume_response(&image, &meta)),
+            volume: Some(self.volume_response(&image, &meta).await?),
         })
     }
 
@@ -275,7 +281,10 @@ impl ControllerService {
                 self.backend.update_volume(&h.image, &meta).await?;
             }
         }
-        let mut context = HashMap::from([("nbdUri".to_owned(), self.backend.export_uri(&h.image))]);
+        let mut context = HashMap::from([(
+            "nbdUri".to_owned(),
+            self.backend.export_uri(&h.image).await?,
+        )]);
         if let Some(n) = meta.parameters.get("nbdConnections") {
             context.insert("nbdConnections".into(), n.clone());
         }
@@ -309,7 +318,9 @@ impl ControllerService {
         r: CreateSnapshotRequest,
     ) -> Result<CreateSnapshotResponse, ControllerError> {
         let source = self.volume_handle(&r.source_volume_id)?;
-        let image = image_for(&self.cluster_id, &r.name)?;
+        let image = self
+            .backend
+            .snapshot_key(&image_for(&self.cluster_id, &r.name)?, &source.image);
         if !r.parameters.is_empty() {
             return Err(ControllerError::invalid(format!(
                 "snapshot parameters are not supported (got {:?})",
@@ -318,7 +329,8 @@ impl ControllerService {
         }
         let _serial = self.serial.lock().await;
         if let Some(existing) = self.backend.snapshot(&image).await? {
-            if existing.source_image != source.image || existing.name != r.name {
+            // The snapshot's image is derived from its name, so the name matches already.
+            if existing.source_image != source.image {
                 return Err(ControllerError::AlreadyExists(format!(
                     "snapshot {:?} already exists for another volume",
                     r.name

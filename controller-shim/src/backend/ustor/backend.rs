@@ -1,0 +1,330 @@
+//! [`Backend`] over the uStor management API. Images are keyed `<pool>/<image>`; what
+//! CreateVolume asked for and the publications live in the image's labels (see
+//! `USTOR_API.md`).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use reqwest::Method;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::api::UstorApi;
+use crate::backend::{Backend, SnapshotMeta, Source, VolumeMeta};
+use crate::error::ControllerError;
+
+/// Sizes are whole MiB (the smallest allocation unit assumed for uStor).
+const GRANULARITY: u64 = 1 << 20;
+
+#[derive(Debug, Clone)]
+pub struct UstorBackend {
+    api: Arc<UstorApi>,
+    /// The pool of volumes whose StorageClass names none.
+    default_pool: String,
+}
+
+#[derive(Debug, Deserialize)]
+struct Nbd {
+    host: String,
+    port: u16,
+    export: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Image {
+    size_bytes: u64,
+    #[serde(default)]
+    labels: BTreeMap<String, String>,
+    nbd: Nbd,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Snapshot {
+    name: String,
+    image: String,
+    size_bytes: u64,
+    #[serde(default)]
+    created_at: String,
+}
+
+#[derive(Debug, Deserialize)]
+struct Snapshots {
+    snapshots: Vec<Snapshot>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Pool {
+    free_bytes: u64,
+}
+
+fn split(key: &str) -> Result<(&str, &str), ControllerError> {
+    key.split_once('/')
+        .ok_or_else(|| ControllerError::invalid(format!("uStor image key {key:?} names no pool")))
+}
+
+fn absent_ok(r: Result<Option<Value>, ControllerError>) -> Result<(), ControllerError> {
+    match r {
+        Ok(_) | Err(ControllerError::NotFound(_)) => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// Label values are strings; structured ones are JSON inside them.
+fn encode<T: serde::Serialize>(v: &T) -> Result<String, ControllerError> {
+    serde_json::to_string(v).map_err(|e| ControllerError::Backend(e.to_string()))
+}
+
+fn labels(meta: &VolumeMeta) -> Result<Value, ControllerError> {
+    Ok(json!({
+        "csi.name": meta.name,
+        "csi.parameters": encode(&meta.parameters)?,
+        "csi.source": encode(&meta.source)?,
+        "csi.published": encode(&meta.published)?,
+    }))
+}
+
+fn label<T: serde::de::DeserializeOwned + Default>(
+    image: &Image,
+    key: &str,
+) -> Result<T, ControllerError> {
+    match image.labels.get(key) {
+        None => Ok(T::default()),
+        Some(v) => serde_json::from_str(v)
+            .map_err(|e| ControllerError::Backend(format!("label {key} of a uStor image: {e}"))),
+    }
+}
+
+fn from_labels(image: &Image) -> Result<VolumeMeta, ControllerError> {
+    Ok(VolumeMeta {
+        name: image.labels.get("csi.name").cloned().unwrap_or_default(),
+        size: image.size_bytes,
+        parameters: label(image, "csi.parameters")?,
+        source: label(image, "csi.source")?,
+        published: label(image, "csi.published")?,
+    })
+}
+
+impl UstorBackend {
+    pub fn new(api: Arc<UstorApi>, default_pool: &str) -> Self {
+        Self {
+            api,
+            default_pool: default_pool.to_owned(),
+        }
+    }
+
+    async fn image(&self, key: &str) -> Result<Option<Image>, ControllerError> {
+        let (pool, name) = split(key)?;
+        match self
+            .api
+            .call::<Image, Value>(
+                Method::GET,
+                &format!("/api/v1/pools/{pool}/images/{name}"),
+                None,
+            )
+            .await
+        {
+            Ok(i) => Ok(i),
+            Err(ControllerError::NotFound(_)) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl Backend for UstorBackend {
+    fn name(&self) -> &'static str {
+        "ustor"
+    }
+
+    fn granularity(&self) -> u64 {
+        GRANULARITY
+    }
+
+    fn volume_key(
+        &self,
+        image: &str,
+        parameters: &BTreeMap<String, String>,
+    ) -> Result<String, ControllerError> {
+        let pool = parameters.get("pool").unwrap_or(&self.default_pool);
+        Ok(format!("{pool}/{image}"))
+    }
+
+    fn snapshot_key(&self, image: &str, source: &str) -> String {
+        let pool = source
+            .split_once('/')
+            .map_or(self.default_pool.as_str(), |(p, _)| p);
+        format!("{pool}/{image}")
+    }
+
+    async fn export_uri(&self, key: &str) -> Result<String, ControllerError> {
+        let image = self.image(key).await?.ok_or_else(|| {
+            ControllerError::NotFound(format!("uStor image {key} does not exist"))
+        })?;
+        let host = if image.nbd.host.contains(':') {
+            format!("[{}]", image.nbd.host)
+        } else {
+            image.nbd.host
+        };
+        Ok(format!(
+            "nbd://{host}:{}/{}",
+            image.nbd.port, image.nbd.export
+        ))
+    }
+
+    async fn volume(&self, key: &str) -> Result<Option<VolumeMeta>, ControllerError> {
+        self.image(key).await?.as_ref().map(from_labels).transpose()
+    }
+
+    async fn create_volume(&self, key: &str, meta: &VolumeMeta) -> Result<(), ControllerError> {
+        let (pool, name) = split(key)?;
+        let same_pool = |source_key: &str| -> Result<String, ControllerError> {
+            let (p, n) = split(source_key)?;
+            if p != pool {
+                return Err(ControllerError::invalid(format!(
+                    "the source lives in pool {p:?}; a volume restored or cloned from it must use the same pool, not {pool:?}"
+                )));
+            }
+            Ok(n.to_owned())
+        };
+        let source = match &meta.source {
+            None => Value::Null,
+            Some(Source::Snapshot(s)) => json!({"snapshot": same_pool(s)?}),
+            Some(Source::Volume(v)) => json!({"image": same_pool(v)?}),
+        };
+        let body = json!({"name": name, "sizeBytes": meta.size, "source": source, "labels": labels(meta)?});
+        self.api
+            .call::<Value, _>(
+                Method::POST,
+                &format!("/api/v1/pools/{pool}/images"),
+                Some(&body),
+            )
+            .await
+            .map(drop)
+    }
+
+    async fn update_volume(&self, key: &str, meta: &VolumeMeta) -> Result<(), ControllerError> {
+        let (pool, name) = split(key)?;
+        let body = json!({"labels": labels(meta)?});
+        self.api
+            .call::<Value, _>(
+                Method::PATCH,
+                &format!("/api/v1/pools/{pool}/images/{name}"),
+                Some(&body),
+            )
+            .await
+            .map(drop)
+    }
+
+    async fn delete_volume(&self, key: &str) -> Result<(), ControllerError> {
+        let (pool, name) = split(key)?;
+        absent_ok(
+            self.api
+                .call::<Value, Value>(
+                    Method::DELETE,
+                    &format!("/api/v1/pools/{pool}/images/{name}"),
+                    None,
+                )
+                .await,
+        )
+    }
+
+    async fn grow_volume(&self, key: &str, size: u64) -> Result<(), ControllerError> {
+        let (pool, name) = split(key)?;
+        let body = json!({"sizeBytes": size});
+        self.api
+            .call::<Value, _>(
+                Method::PATCH,
+                &format!("/api/v1/pools/{pool}/images/{name}"),
+                Some(&body),
+            )
+            .await
+            .map(drop)
+    }
+
+    async fn snapshot(&self, key: &str) -> Result<Option<SnapshotMeta>, ControllerError> {
+        let (pool, name) = split(key)?;
+        match self
+            .api
+            .call::<Snapshot, Value>(
+                Method::GET,
+                &format!("/api/v1/pools/{pool}/snapshots/{name}"),
+                None,
+            )
+            .await
+        {
+            Ok(s) => Ok(s.map(|s| snapshot_meta(pool, s))),
+            Err(ControllerError::NotFound(_)) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn create_snapshot(&self, key: &str, meta: &SnapshotMeta) -> Result<(), ControllerError> {
+        let (pool, name) = split(key)?;
+        let (_, source) = split(&meta.source_image)?;
+        self.api
+            .call::<Value, _>(
+                Method::POST,
+                &format!("/api/v1/pools/{pool}/images/{source}/snapshots"),
+                Some(&json!({"name": name})),
+            )
+            .await
+            .map(drop)
+    }
+
+    async fn delete_snapshot(&self, key: &str) -> Result<(), ControllerError> {
+        let (pool, name) = split(key)?;
+        absent_ok(
+            self.api
+                .call::<Value, Value>(
+                    Method::DELETE,
+                    &format!("/api/v1/pools/{pool}/snapshots/{name}"),
+                    None,
+                )
+                .await,
+        )
+    }
+
+    async fn snapshots(&self) -> Result<Vec<(String, SnapshotMeta)>, ControllerError> {
+        let pool = &self.default_pool;
+        let list = self
+            .api
+            .call::<Snapshots, Value>(
+                Method::GET,
+                &format!("/api/v1/pools/{pool}/snapshots"),
+                None,
+            )
+            .await?
+            .map(|l| l.snapshots)
+            .unwrap_or_default();
+        let mut out: Vec<_> = list
+            .into_iter()
+            .map(|s| (format!("{pool}/{}", s.name), snapshot_meta(pool, s)))
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(out)
+    }
+
+    async fn capacity(&self) -> Result<Option<u64>, ControllerError> {
+        let pool = &self.default_pool;
+        Ok(self
+            .api
+            .call::<Pool, Value>(Method::GET, &format!("/api/v1/pools/{pool}"), None)
+            .await?
+            .map(|p| p.free_bytes))
+    }
+}
+
+fn snapshot_meta(pool: &str, s: Snapshot) -> SnapshotMeta {
+    SnapshotMeta {
+        name: format!("{pool}/{}", s.name),
+        source_image: format!("{pool}/{}", s.image),
+        size: s.size_bytes,
+        created: humantime::parse_rfc3339(&s.created_at)
+            .ok()
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map_or(0, |d| d.as_secs() as i64),
+    }
+}

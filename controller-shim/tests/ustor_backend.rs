@@ -1,0 +1,257 @@
+//! The controller with the uStor backend, against the in-repo server implementing the
+//! contract, through the CSI socket as the sidecars drive it.
+
+#![allow(clippy::unwrap_used)] // a test fails by panicking
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use controller_shim::backend::ustor::api::UstorApi;
+use controller_shim::backend::ustor::backend::UstorBackend;
+use controller_shim::backend::ustor::credentials::CredentialsDir;
+use controller_shim::backend::ustor::login::Timing;
+use csi_proto::csi::controller_client::ControllerClient;
+use csi_proto::csi::volume_capability::access_mode::Mode;
+use csi_proto::csi::volume_content_source::{SnapshotSource, Type as SourceType};
+use csi_proto::csi::*;
+use testkit::csi::mount_capability;
+use testkit::fake_ustor::FakeUstor;
+use tonic::transport::Channel;
+use tonic::Code;
+
+const MIB: i64 = 1 << 20;
+
+async fn controller(
+    server: &FakeUstor,
+    password: &str,
+) -> (ControllerClient<Channel>, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let creds = dir.path().join("credentials");
+    std::fs::create_dir_all(&creds).unwrap();
+    std::fs::write(creds.join("username"), "csi").unwrap();
+    std::fs::write(creds.join("password"), password).unwrap();
+    let api = UstorApi::new(
+        &server.url(),
+        None,
+        CredentialsDir::new(&creds),
+        Timing::default(),
+        Arc::new(Instant::now),
+    )
+    .unwrap();
+    let backend = UstorBackend::new(Arc::new(api), "data");
+    let socket = dir.path().join("csi.sock");
+    {
+        let socket = socket.clone();
+        tokio::spawn(async move {
+            controller_shim::server::serve(
+                &socket,
+                Arc::new(backend),
+                "test".into(),
+                std::future::pending(),
+            )
+            .await
+            .unwrap();
+        });
+    }
+    let started = Instant::now();
+    loop {
+        if let Ok(c) = testkit::csi::connect(&socket).await {
+            return (ControllerClient::new(c), dir);
+        }
+        assert!(started.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn create(name: &str, bytes: i64, pool: Option<&str>) -> CreateVolumeRequest {
+    CreateVolumeRequest {
+        name: name.into(),
+        capacity_range: Some(CapacityRange {
+            required_bytes: bytes,
+            limit_bytes: 0,
+        }),
+        volume_capabilities: vec![mount_capability("ext4", Mode::SingleNodeWriter)],
+        parameters: pool
+            .map(|p| HashMap::from([("pool".to_owned(), p.to_owned())]))
+            .unwrap_or_default(),
+        volume_content_source: None,
+        accessibility_requirements: None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn provisioning_on_ustor() {
+    let server = FakeUstor::start().await.unwrap();
+    server.set_user("csi", "pw", None);
+    let (mut c, _dir) = controller(&server, "pw").await;
+
+    let v = c
+        .create_volume(create("pvc-1", 100 * MIB, Some("data")))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    assert_eq!(v.volume_id, "ustor:volume:data/test-pvc-1");
+    assert_eq!(
+        v.volume_context["nbdUri"],
+        "nbd://127.0.0.1:10809/test-pvc-1"
+    );
+    let again = c
+        .create_volume(create("pvc-1", 100 * MIB, Some("data")))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        again.volume.unwrap().volume_id,
+        v.volume_id,
+        "idempotent by name"
+    );
+    let clash = c
+        .create_volume(create("pvc-1", 100 * MIB, None))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        clash.code(),
+        Code::AlreadyExists,
+        "same name, other parameters"
+    );
+    let clash = c
+        .create_volume(create("pvc-1", 500 * MIB, Some("data")))
+        .await
+        .unwrap_err();
+    assert_eq!(clash.code(), Code::AlreadyExists);
+
+    // Publications are kept in uStor (labels), so they survive a controller restart.
+    let publish = |node: &str| ControllerPublishVolumeRequest {
+        volume_id: v.volume_id.clone(),
+        node_id: node.into(),
+        volume_capability: Some(mount_capability("ext4", Mode::SingleNodeWriter)),
+        readonly: false,
+        volume_context: HashMap::new(),
+    };
+    let ctx = c
+        .controller_publish_volume(publish("node-a"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(ctx.publish_context["nbdUri"], v.volume_context["nbdUri"]);
+    let (mut restarted, _dir2) = controller(&server, "pw").await;
+    let err = restarted
+        .controller_publish_volume(publish("node-b"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{}", err.message());
+    restarted
+        .controller_unpublish_volume(ControllerUnpublishVolumeRequest {
+            volume_id: v.volume_id.clone(),
+            node_id: "node-a".into(),
+        })
+        .await
+        .unwrap();
+
+    let snap = c
+        .create_snapshot(CreateSnapshotRequest {
+            source_volume_id: v.volume_id.clone(),
+            name: "snap-1".into(),
+            parameters: HashMap::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .snapshot
+        .unwrap();
+    assert_eq!(snap.snapshot_id, "ustor:snapshot:data/test-snap-1");
+    assert_eq!(snap.size_bytes, 100 * MIB);
+    let mut restore = create("pvc-restored", 200 * MIB, Some("data"));
+    restore.volume_content_source = Some(VolumeContentSource {
+        r#type: Some(SourceType::Snapshot(SnapshotSource {
+            snapshot_id: snap.snapshot_id.clone(),
+        })),
+    });
+    let restored = c
+        .create_volume(restore)
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    assert_eq!(restored.capacity_bytes, 200 * MIB);
+    let mut other_pool = create("pvc-elsewhere", 200 * MIB, Some("fast"));
+    other_pool.volume_content_source = Some(VolumeContentSource {
+        r#type: Some(SourceType::Snapshot(SnapshotSource {
+            snapshot_id: snap.snapshot_id.clone(),
+        })),
+    });
+    let err = c.create_volume(other_pool).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{}", err.message());
+
+    let r = c
+        .controller_expand_volume(ControllerExpandVolumeRequest {
+            volume_id: v.volume_id.clone(),
+            capacity_range: Some(CapacityRange {
+                required_bytes: 300 * MIB,
+                limit_bytes: 0,
+            }),
+            volume_capability: None,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.capacity_bytes, 300 * MIB);
+    let listed = c
+        .list_snapshots(ListSnapshotsRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(listed.entries.len(), 1);
+    let cap = c
+        .get_capacity(GetCapacityRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(cap.available_capacity, 1 << 39);
+
+    for id in [&v.volume_id, &v.volume_id, &restored.volume_id] {
+        c.delete_volume(DeleteVolumeRequest {
+            volume_id: id.clone(),
+        })
+        .await
+        .unwrap();
+    }
+    for _ in 0..2 {
+        c.delete_snapshot(DeleteSnapshotRequest {
+            snapshot_id: snap.snapshot_id.clone(),
+        })
+        .await
+        .unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_login_names_its_reason_to_the_sidecar() {
+    let server = FakeUstor::start().await.unwrap();
+    server.set_user("csi", "pw", Some("PasswordExpired"));
+    let (mut c, _dir) = controller(&server, "pw").await;
+    let err = c
+        .create_volume(create("pvc-x", MIB, None))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unauthenticated);
+    assert!(
+        err.message().contains("PasswordExpired"),
+        "{}",
+        err.message()
+    );
+    let err = c
+        .create_volume(create("pvc-x", MIB, None))
+        .await
+        .unwrap_err();
+    assert!(err.message().contains("not retried"), "{}", err.message());
+    assert_eq!(
+        server.logins(),
+        1,
+        "the refused password is not retried at once"
+    );
+}
