@@ -583,6 +583,58 @@ async fn bad_input_gets_the_spec_code() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::NotFound);
+    // ValidateVolumeCapabilities: confirmed, refused with a reason, unknown volume, no capability.
+    let v = c
+        .client
+        .create_volume(create("pvc-v", MIB, ext4()))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    let validate = |id: &str, caps: Vec<VolumeCapability>| ValidateVolumeCapabilitiesRequest {
+        volume_id: id.into(),
+        volume_context: HashMap::new(),
+        volume_capabilities: caps,
+        parameters: HashMap::new(),
+    };
+    let ok = c
+        .client
+        .validate_volume_capabilities(validate(
+            &v.volume_id,
+            vec![ext4(), block_capability(Mode::MultiNodeMultiWriter)],
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(ok.confirmed.unwrap().volume_capabilities.len(), 2);
+    let refused = c
+        .client
+        .validate_volume_capabilities(validate(
+            &v.volume_id,
+            vec![mount_capability("ext4", Mode::MultiNodeMultiWriter)],
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        refused.confirmed.is_none() && refused.message.contains("volumeMode: Block"),
+        "{}",
+        refused.message
+    );
+    let err = c
+        .client
+        .validate_volume_capabilities(validate("local:volume:test-nope", vec![ext4()]))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound);
+    let err = c
+        .client
+        .validate_volume_capabilities(validate(&v.volume_id, vec![]))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+
     let cap = c
         .client
         .get_capacity(GetCapacityRequest::default())
