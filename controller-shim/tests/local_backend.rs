@@ -68,17 +68,7 @@ async fn start() -> Controller {
             .unwrap();
         })
     };
-    let started = Instant::now();
-    let channel = loop {
-        if let Ok(c) = testkit::csi::connect(&socket).await {
-            break c;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "controller did not start"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let channel = testkit::csi::wait_connect(&socket, Duration::from_secs(10)).await;
     Controller {
         client: ControllerClient::new(channel),
         root,

@@ -54,14 +54,8 @@ async fn controller(
             .unwrap();
         });
     }
-    let started = Instant::now();
-    loop {
-        if let Ok(c) = testkit::csi::connect(&socket).await {
-            return (ControllerClient::new(c), dir);
-        }
-        assert!(started.elapsed() < Duration::from_secs(10));
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let channel = testkit::csi::wait_connect(&socket, Duration::from_secs(10)).await;
+    (ControllerClient::new(channel), dir)
 }
 
 fn create(name: &str, bytes: i64, pool: Option<&str>) -> CreateVolumeRequest {

@@ -26,6 +26,22 @@ pub async fn connect(path: &Path) -> Result<Channel, tonic::transport::Error> {
         .await
 }
 
+/// Connects to a server that is still starting: retries until `timeout`, then panics.
+pub async fn wait_connect(path: &Path, timeout: std::time::Duration) -> Channel {
+    let started = std::time::Instant::now();
+    loop {
+        if let Ok(channel) = connect(path).await {
+            return channel;
+        }
+        assert!(
+            started.elapsed() < timeout,
+            "nothing answered on {} within {timeout:?}",
+            path.display()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
 /// Identity and Node clients on one channel.
 #[derive(Debug, Clone)]
 pub struct NodeClients {

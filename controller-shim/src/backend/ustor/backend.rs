@@ -65,13 +65,6 @@ fn split(key: &str) -> Result<(&str, &str), ControllerError> {
         .ok_or_else(|| ControllerError::invalid(format!("uStor image key {key:?} names no pool")))
 }
 
-fn absent_ok(r: Result<Option<Value>, ControllerError>) -> Result<(), ControllerError> {
-    match r {
-        Ok(_) | Err(ControllerError::NotFound(_)) => Ok(()),
-        Err(e) => Err(e),
-    }
-}
-
 /// Label values are strings; structured ones are JSON inside them.
 fn encode<T: serde::Serialize>(v: &T) -> Result<String, ControllerError> {
     serde_json::to_string(v).map_err(|e| ControllerError::Backend(e.to_string()))
@@ -115,21 +108,41 @@ impl UstorBackend {
         }
     }
 
-    async fn image(&self, key: &str) -> Result<Option<Image>, ControllerError> {
-        let (pool, name) = split(key)?;
+    /// GET of one object; `None` when uStor has no such object.
+    async fn get<T: serde::de::DeserializeOwned>(
+        &self,
+        path: &str,
+    ) -> Result<Option<T>, ControllerError> {
+        match self.api.call::<T, Value>(Method::GET, path, None).await {
+            Err(ControllerError::NotFound(_)) => Ok(None),
+            other => other,
+        }
+    }
+
+    /// A call whose answer body does not matter.
+    async fn send(&self, method: Method, path: &str, body: &Value) -> Result<(), ControllerError> {
+        self.api
+            .call::<Value, _>(method, path, Some(body))
+            .await
+            .map(drop)
+    }
+
+    /// DELETE; what is already gone counts as deleted.
+    async fn delete(&self, path: &str) -> Result<(), ControllerError> {
         match self
             .api
-            .call::<Image, Value>(
-                Method::GET,
-                &format!("/api/v1/pools/{pool}/images/{name}"),
-                None,
-            )
+            .call::<Value, Value>(Method::DELETE, path, None)
             .await
         {
-            Ok(i) => Ok(i),
-            Err(ControllerError::NotFound(_)) => Ok(None),
+            Ok(_) | Err(ControllerError::NotFound(_)) => Ok(()),
             Err(e) => Err(e),
         }
+    }
+
+    async fn image(&self, key: &str) -> Result<Option<Image>, ControllerError> {
+        let (pool, name) = split(key)?;
+        self.get(&format!("/api/v1/pools/{pool}/images/{name}"))
+            .await
     }
 }
 
@@ -195,96 +208,57 @@ impl Backend for UstorBackend {
             Some(Source::Volume(v)) => json!({"image": same_pool(v)?}),
         };
         let body = json!({"name": name, "sizeBytes": meta.size, "source": source, "labels": labels(meta)?});
-        self.api
-            .call::<Value, _>(
-                Method::POST,
-                &format!("/api/v1/pools/{pool}/images"),
-                Some(&body),
-            )
+        self.send(Method::POST, &format!("/api/v1/pools/{pool}/images"), &body)
             .await
-            .map(drop)
     }
 
     async fn update_volume(&self, key: &str, meta: &VolumeMeta) -> Result<(), ControllerError> {
         let (pool, name) = split(key)?;
         let body = json!({"labels": labels(meta)?});
-        self.api
-            .call::<Value, _>(
-                Method::PATCH,
-                &format!("/api/v1/pools/{pool}/images/{name}"),
-                Some(&body),
-            )
-            .await
-            .map(drop)
+        self.send(
+            Method::PATCH,
+            &format!("/api/v1/pools/{pool}/images/{name}"),
+            &body,
+        )
+        .await
     }
 
     async fn delete_volume(&self, key: &str) -> Result<(), ControllerError> {
         let (pool, name) = split(key)?;
-        absent_ok(
-            self.api
-                .call::<Value, Value>(
-                    Method::DELETE,
-                    &format!("/api/v1/pools/{pool}/images/{name}"),
-                    None,
-                )
-                .await,
-        )
+        self.delete(&format!("/api/v1/pools/{pool}/images/{name}"))
+            .await
     }
 
     async fn grow_volume(&self, key: &str, size: u64) -> Result<(), ControllerError> {
         let (pool, name) = split(key)?;
         let body = json!({"sizeBytes": size});
-        self.api
-            .call::<Value, _>(
-                Method::PATCH,
-                &format!("/api/v1/pools/{pool}/images/{name}"),
-                Some(&body),
-            )
-            .await
-            .map(drop)
+        self.send(
+            Method::PATCH,
+            &format!("/api/v1/pools/{pool}/images/{name}"),
+            &body,
+        )
+        .await
     }
 
     async fn snapshot(&self, key: &str) -> Result<Option<SnapshotMeta>, ControllerError> {
         let (pool, name) = split(key)?;
-        match self
-            .api
-            .call::<Snapshot, Value>(
-                Method::GET,
-                &format!("/api/v1/pools/{pool}/snapshots/{name}"),
-                None,
-            )
-            .await
-        {
-            Ok(s) => Ok(s.map(|s| snapshot_meta(pool, s))),
-            Err(ControllerError::NotFound(_)) => Ok(None),
-            Err(e) => Err(e),
-        }
+        let snapshot: Option<Snapshot> = self
+            .get(&format!("/api/v1/pools/{pool}/snapshots/{name}"))
+            .await?;
+        Ok(snapshot.map(|s| snapshot_meta(pool, s)))
     }
 
     async fn create_snapshot(&self, key: &str, meta: &SnapshotMeta) -> Result<(), ControllerError> {
         let (pool, name) = split(key)?;
         let (_, source) = split(&meta.source_image)?;
-        self.api
-            .call::<Value, _>(
-                Method::POST,
-                &format!("/api/v1/pools/{pool}/images/{source}/snapshots"),
-                Some(&json!({"name": name})),
-            )
-            .await
-            .map(drop)
+        let path = format!("/api/v1/pools/{pool}/images/{source}/snapshots");
+        self.send(Method::POST, &path, &json!({"name": name})).await
     }
 
     async fn delete_snapshot(&self, key: &str) -> Result<(), ControllerError> {
         let (pool, name) = split(key)?;
-        absent_ok(
-            self.api
-                .call::<Value, Value>(
-                    Method::DELETE,
-                    &format!("/api/v1/pools/{pool}/snapshots/{name}"),
-                    None,
-                )
-                .await,
-        )
+        self.delete(&format!("/api/v1/pools/{pool}/snapshots/{name}"))
+            .await
     }
 
     async fn snapshots(&self) -> Result<Vec<(String, SnapshotMeta)>, ControllerError> {
