@@ -4,8 +4,8 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+use csi_proto::capability::Shape;
 use csi_proto::csi::volume_capability::access_mode::Mode;
-use csi_proto::csi::volume_capability::AccessType;
 use csi_proto::csi::VolumeCapability;
 use mounts::{Filesystem, MountOptions};
 use nbd::NbdUri;
@@ -43,40 +43,20 @@ impl Capability {
 
 pub fn capability(cap: Option<&VolumeCapability>) -> Result<Capability, NodeError> {
     let cap = cap.ok_or_else(|| NodeError::invalid("volume_capability is required"))?;
-    let mode = match cap.access_mode.as_ref().map(|m| m.mode()) {
-        Some(Mode::SingleNodeWriter) => AccessMode::SingleNodeWriter,
-        Some(Mode::SingleNodeReaderOnly) => AccessMode::SingleNodeReaderOnly,
-        Some(Mode::SingleNodeSingleWriter) => AccessMode::SingleNodeSingleWriter,
-        Some(Mode::SingleNodeMultiWriter) => AccessMode::SingleNodeMultiWriter,
-        Some(Mode::MultiNodeReaderOnly) => AccessMode::MultiNodeReaderOnly,
-        Some(Mode::MultiNodeSingleWriter) => AccessMode::MultiNodeSingleWriter,
-        Some(Mode::MultiNodeMultiWriter) => AccessMode::MultiNodeMultiWriter,
-        Some(Mode::Unknown) | None => {
-            return Err(NodeError::invalid(
-                "volume_capability.access_mode is required",
-            ))
-        }
+    let (mode, shape) = csi_proto::capability::check(cap).map_err(NodeError::InvalidArgument)?;
+    let mode = match mode {
+        Mode::SingleNodeWriter => AccessMode::SingleNodeWriter,
+        Mode::SingleNodeReaderOnly => AccessMode::SingleNodeReaderOnly,
+        Mode::SingleNodeSingleWriter => AccessMode::SingleNodeSingleWriter,
+        Mode::SingleNodeMultiWriter => AccessMode::SingleNodeMultiWriter,
+        Mode::MultiNodeReaderOnly => AccessMode::MultiNodeReaderOnly,
+        Mode::MultiNodeSingleWriter => AccessMode::MultiNodeSingleWriter,
+        // `check` refuses Unknown.
+        Mode::MultiNodeMultiWriter | Mode::Unknown => AccessMode::MultiNodeMultiWriter,
     };
-    let access = match &cap.access_type {
-        None => {
-            return Err(NodeError::invalid(
-                "volume_capability needs access_type block or mount",
-            ))
-        }
-        Some(AccessType::Block(_)) => {
-            if mode == AccessMode::MultiNodeSingleWriter {
-                return Err(NodeError::invalid(
-                    "MULTI_NODE_SINGLE_WRITER is not supported for block volumes: use MULTI_NODE_MULTI_WRITER (ReadWriteMany) for VM live migration",
-                ));
-            }
-            Access::Block
-        }
-        Some(AccessType::Mount(m)) => {
-            if mode.multi_node() {
-                return Err(NodeError::invalid(
-                    "a filesystem volume can be used on one node only: ReadWriteMany and ReadOnlyMany need volumeMode: Block",
-                ));
-            }
+    let access = match shape {
+        Shape::Block => Access::Block,
+        Shape::Mount(m) => {
             if !m.volume_mount_group.is_empty() {
                 return Err(NodeError::invalid(
                     "volume_mount_group is not supported by this driver",
@@ -181,7 +161,9 @@ pub fn has_export(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use csi_proto::csi::volume_capability::{AccessMode as PbMode, BlockVolume, MountVolume};
+    use csi_proto::csi::volume_capability::{
+        AccessMode as PbMode, AccessType, BlockVolume, MountVolume,
+    };
 
     fn cap(access: Option<AccessType>, mode: Mode) -> VolumeCapability {
         VolumeCapability {

@@ -1,5 +1,6 @@
 //! gRPC types and services generated from `proto/`: the CSI spec (package `csi.v1`) and
-//! kubelet's plugin registration API.
+//! kubelet's plugin registration API; and [`capability`], the driver's access-mode rules over
+//! those types, shared by node and controller.
 
 /// CSI v1.12: Identity, Controller and Node (the parts this driver serves).
 #[allow(clippy::all, missing_docs, missing_debug_implementations)]
@@ -12,3 +13,5 @@ pub mod csi {
 pub mod registration {
     tonic::include_proto!("pluginregistration");
 }
+
+pub mod capability;

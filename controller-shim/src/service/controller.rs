@@ -4,11 +4,11 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
+use csi_proto::capability::{self, Shape};
 use csi_proto::csi::controller_server::Controller;
 use csi_proto::csi::controller_service_capability::rpc::Type as Rpc;
 use csi_proto::csi::controller_service_capability::{Rpc as RpcCap, Type as CapType};
 use csi_proto::csi::volume_capability::access_mode::Mode;
-use csi_proto::csi::volume_capability::AccessType;
 use csi_proto::csi::volume_content_source::{SnapshotSource, Type as SourceType, VolumeSource};
 use csi_proto::csi::*;
 use tokio::sync::Mutex;
@@ -266,7 +266,7 @@ impl ControllerService {
             }
             Some(_) => {}
             None => {
-                let multi = mode == Mode::MultiNodeMultiWriter || mode == Mode::MultiNodeReaderOnly;
+                let multi = capability::multi_node(mode);
                 if !multi && !meta.published.is_empty() {
                     return Err(ControllerError::FailedPrecondition(format!(
                         "volume {h} is published to {} and its access mode allows one node",
@@ -466,37 +466,19 @@ fn parameters(raw: &HashMap<String, String>) -> Result<BTreeMap<String, String>,
     Ok(out)
 }
 
-/// The capability rules of the driver: a filesystem lives on one node; several nodes only for
-/// block (live migration of VM disks). Returns the access mode.
+/// The driver's capability rules (shared with the node), plus the filesystems the node can
+/// format. Returns the access mode.
 pub fn check_capability(cap: &VolumeCapability) -> Result<Mode, ControllerError> {
-    let mode = cap
-        .access_mode
-        .as_ref()
-        .map(|m| m.mode())
-        .filter(|m| *m != Mode::Unknown)
-        .ok_or_else(|| ControllerError::invalid("volume capability needs an access mode"))?;
-    let multi = matches!(
-        mode,
-        Mode::MultiNodeReaderOnly | Mode::MultiNodeSingleWriter | Mode::MultiNodeMultiWriter
-    );
-    match &cap.access_type {
-        None => Err(ControllerError::invalid("volume capability needs access_type block or mount")),
-        Some(AccessType::Mount(m)) => {
-            if multi {
-                return Err(ControllerError::invalid(
-                    "a filesystem volume can be used on one node only: ReadWriteMany and ReadOnlyMany need volumeMode: Block",
-                ));
-            }
-            if !matches!(m.fs_type.as_str(), "" | "ext4" | "xfs") {
-                return Err(ControllerError::invalid(format!("fsType {:?} is not supported (ext4, xfs)", m.fs_type)));
-            }
-            Ok(mode)
+    let (mode, shape) = capability::check(cap).map_err(ControllerError::InvalidArgument)?;
+    if let Shape::Mount(m) = shape {
+        if !matches!(m.fs_type.as_str(), "" | "ext4" | "xfs") {
+            return Err(ControllerError::invalid(format!(
+                "fsType {:?} is not supported (ext4, xfs)",
+                m.fs_type
+            )));
         }
-        Some(AccessType::Block(_)) if mode == Mode::MultiNodeSingleWriter => Err(ControllerError::invalid(
-            "MULTI_NODE_SINGLE_WRITER is not supported: use MULTI_NODE_MULTI_WRITER for VM live migration",
-        )),
-        Some(AccessType::Block(_)) => Ok(mode),
     }
+    Ok(mode)
 }
 
 fn answer<T>(op: &'static str, result: Result<T, ControllerError>) -> Result<Response<T>, Status> {
