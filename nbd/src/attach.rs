@@ -7,9 +7,15 @@ use crate::dial::{self, DialOptions, Dialed};
 use crate::handshake::ExportInfo;
 use crate::identity::{BackendId, DeviceIndex};
 use crate::netlink::{ConnectRequest, NbdNetlink, ReconfigureRequest};
+use crate::protocol::TransmissionFlags;
 use crate::sysfs::{ProvenDevice, Sysfs};
 use crate::uri::NbdUri;
 use crate::Error;
+
+/// How long I/O waits for a dead connection to be replaced before it fails, unless told
+/// otherwise: long enough to ride out a server restart or failover, the daemon's restart and
+/// a network flap; the one default of the library, `nbdctl` and the node daemon.
+pub const DEFAULT_DEAD_CONN_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// How to attach an export.
 #[derive(Debug, Clone)]
@@ -30,6 +36,9 @@ pub struct AttachOptions {
     pub scheduler: Option<String>,
     /// How long to wait for the device node and its size after CONNECT.
     pub ready_timeout: Duration,
+    /// Attach read-only whatever the export allows: the kernel then refuses writes to the
+    /// device (CONNECT with the READ_ONLY transmission flag).
+    pub read_only: bool,
 }
 
 impl AttachOptions {
@@ -39,10 +48,11 @@ impl AttachOptions {
             index: None,
             dial: DialOptions::default(),
             io_timeout: Some(Duration::from_secs(30)),
-            dead_conn_timeout: Duration::from_secs(120),
+            dead_conn_timeout: DEFAULT_DEAD_CONN_TIMEOUT,
             block_size: None,
             scheduler: Some("none".into()),
             ready_timeout: Duration::from_secs(10),
+            read_only: false,
         }
     }
 }
@@ -117,7 +127,11 @@ async fn connect(
         index: opts.index,
         size_bytes: info.size,
         block_size,
-        server_flags: info.flags,
+        server_flags: if opts.read_only {
+            info.flags | TransmissionFlags::READ_ONLY
+        } else {
+            info.flags
+        },
         timeout: opts.io_timeout,
         dead_conn_timeout: opts.dead_conn_timeout,
         client_flags: 0,

@@ -65,16 +65,86 @@ fn request(local: SocketAddr, peer: SocketAddr) -> Result<Vec<u8>, Error> {
 /// Aborts the TCP connection `local` ↔ `peer`. `Ok(false)` when no such connection exists
 /// (it already went away).
 pub fn destroy_tcp(local: SocketAddr, peer: SocketAddr) -> Result<bool, Error> {
-    Ok(exchange(SOCK_DESTROY, local, peer)?.is_some())
+    match exchange(SOCK_DESTROY, local, peer)? {
+        Some(_) => Ok(true),
+        None if handler_loaded()? => Ok(false),
+        None => Err(no_handler("SOCK_DESTROY", local, peer)),
+    }
+}
+
+/// What the kernel says of one TCP connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lookup {
+    Found {
+        established: bool,
+        /// The socket's inode (as `fstat` on a descriptor of it shows): with the address pair,
+        /// what proves a socket is the one a device was given.
+        inode: u64,
+    },
+    Absent,
+    /// The kernel cannot tell: the `tcp_diag` module is not loaded, and the kernel answers
+    /// ENOENT for every socket, the same answer as for a socket that does not exist.
+    Unknown,
+}
+
+/// Looks up the TCP connection `local` ↔ `peer`.
+pub fn lookup_tcp(local: SocketAddr, peer: SocketAddr) -> Result<Lookup, Error> {
+    match exchange(SOCK_DIAG_BY_FAMILY, local, peer)? {
+        // The reply is a `struct inet_diag_msg`: the TCP state is its second byte, the inode
+        // the u32 at offset 68 (after family, state, timer, retrans, the 48-byte socket id,
+        // expires, rqueue, wqueue and uid).
+        Some(msg) if msg.len() >= 72 => Ok(Lookup::Found {
+            established: msg[1] == TCP_ESTABLISHED,
+            inode: u64::from(u32::from_ne_bytes([msg[68], msg[69], msg[70], msg[71]])),
+        }),
+        Some(msg) => Err(Error::BadReply {
+            op: "SOCK_DIAG",
+            detail: format!("inet_diag_msg of {} bytes", msg.len()),
+        }),
+        None if handler_loaded()? => Ok(Lookup::Absent),
+        None => Ok(Lookup::Unknown),
+    }
 }
 
 /// Whether the TCP connection `local` ↔ `peer` is established (held open by someone).
-pub fn tcp_established(local: SocketAddr, peer: SocketAddr) -> Result<bool, Error> {
-    // The reply is a `struct inet_diag_msg`, whose second byte is the TCP state.
-    Ok(
-        exchange(SOCK_DIAG_BY_FAMILY, local, peer)?.and_then(|msg| msg.get(1).copied())
-            == Some(TCP_ESTABLISHED),
-    )
+/// `None` when the kernel cannot tell (see [`Lookup::Unknown`]).
+pub fn tcp_established(local: SocketAddr, peer: SocketAddr) -> Result<Option<bool>, Error> {
+    Ok(match lookup_tcp(local, peer)? {
+        Lookup::Found { established, .. } => Some(established),
+        Lookup::Absent => Some(false),
+        Lookup::Unknown => None,
+    })
+}
+
+fn no_handler(op: &'static str, local: SocketAddr, peer: SocketAddr) -> Error {
+    Error::Kernel {
+        op,
+        device: format!("{local} -> {peer}"),
+        errno: libc::ENOENT,
+        message: "the kernel's TCP socket diagnostics are not loaded (modprobe tcp_diag)".into(),
+    }
+}
+
+/// Whether the kernel answers socket-diagnostic requests about TCP at all. Asked by looking
+/// up a loopback connection made for the purpose: found means the handler is there. A
+/// positive answer is remembered (modules are not unloaded under a running daemon).
+fn handler_loaded() -> Result<bool, Error> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static LOADED: AtomicBool = AtomicBool::new(false);
+    if LOADED.load(Ordering::Relaxed) {
+        return Ok(true);
+    }
+    let io_err = |e: io::Error| Error::Internal(format!("loopback probe for sock_diag: {e}"));
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(io_err)?;
+    let client =
+        std::net::TcpStream::connect(listener.local_addr().map_err(io_err)?).map_err(io_err)?;
+    let (local, peer) = (
+        client.local_addr().map_err(io_err)?,
+        client.peer_addr().map_err(io_err)?,
+    );
+    let loaded = exchange(SOCK_DIAG_BY_FAMILY, local, peer)?.is_some();
+    LOADED.store(loaded, Ordering::Relaxed);
+    Ok(loaded)
 }
 
 /// One request about one socket. `None` when the kernel has no such socket; otherwise the
@@ -149,12 +219,24 @@ mod tests {
         let (mut server, _) = listener.accept().unwrap();
         let (local, peer) = (client.local_addr().unwrap(), client.peer_addr().unwrap());
         if let Ok(established) = tcp_established(local, peer) {
-            assert!(established);
+            assert_ne!(established, Some(false), "the connection is established");
+        }
+        if let Ok(Lookup::Found { inode, .. }) = lookup_tcp(local, peer) {
+            use std::os::unix::fs::MetadataExt;
+            let fd = std::os::fd::AsFd::as_fd(&client)
+                .try_clone_to_owned()
+                .unwrap();
+            let ino = std::fs::File::from(fd).metadata().unwrap().ino();
+            assert_eq!(inode, ino, "the kernel's inode is the descriptor's");
         }
         match destroy_tcp(local, peer) {
             Ok(found) => {
                 assert!(found);
-                assert!(!tcp_established(local, peer).unwrap(), "aborted");
+                assert_eq!(
+                    tcp_established(local, peer).unwrap(),
+                    Some(false),
+                    "aborted"
+                );
                 let mut buf = [0u8; 1];
                 assert!(
                     matches!(server.read(&mut buf), Ok(0) | Err(_)),
@@ -162,9 +244,10 @@ mod tests {
                 );
                 assert!(!destroy_tcp(local, peer).unwrap(), "gone the second time");
             }
-            // Unprivileged hosts or kernels without INET_DIAG_DESTROY: the error must say so.
+            // Unprivileged hosts, kernels without INET_DIAG_DESTROY or without tcp_diag: the
+            // error must say so.
             Err(Error::Kernel { errno, .. }) => assert!(
-                [libc::EPERM, libc::EOPNOTSUPP].contains(&errno),
+                [libc::EPERM, libc::EOPNOTSUPP, libc::ENOENT].contains(&errno),
                 "unexpected errno {errno}"
             ),
             Err(other) => panic!("{other}"),

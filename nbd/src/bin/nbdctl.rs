@@ -40,7 +40,7 @@ enum Command {
         #[arg(long, default_value_t = 30)]
         io_timeout: u64,
         /// Seconds I/O waits for a reconnect after the link dies.
-        #[arg(long, default_value_t = 120)]
+        #[arg(long, default_value_t = nbd::attach::DEFAULT_DEAD_CONN_TIMEOUT.as_secs())]
         dead_conn_timeout: u64,
         #[arg(long)]
         block_size: Option<u32>,
