@@ -95,8 +95,58 @@ fn parse_probe(export: &str) -> Probe {
     }
 }
 
-/// Creates `fs` on `device`, after checking once more that the device is blank.
-pub fn make_filesystem(device: &Path, fs: Filesystem) -> Result<(), Error> {
+/// The UUID of the filesystem on `device`, probed directly (no cache); `None` when the
+/// device holds no filesystem with a UUID.
+pub fn probe_uuid(device: &Path) -> Result<Option<String>, Error> {
+    let out = Command::new("blkid")
+        .args(["-p", "-o", "value", "-s", "UUID"])
+        .arg(device)
+        .output()
+        .map_err(|source| Error::Spawn {
+            tool: "blkid",
+            source,
+        })?;
+    if out.status.code() == Some(2) && out.stdout.is_empty() {
+        return Ok(None);
+    }
+    if !out.status.success() {
+        return Err(tool_error("blkid", device, &out));
+    }
+    let uuid = String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .to_ascii_lowercase();
+    Ok((!uuid.is_empty()).then_some(uuid))
+}
+
+/// mkfs for `fs` with the given filesystem `uuid`, forcing over what is there when `force`.
+fn mkfs(device: &Path, fs: Filesystem, uuid: &str, force: bool) -> Result<(), Error> {
+    let mut cmd;
+    let tool = match fs {
+        Filesystem::Ext4 => {
+            cmd = Command::new("mkfs.ext4");
+            cmd.args(["-q", "-U", uuid]);
+            if force {
+                cmd.arg("-F");
+            }
+            "mkfs.ext4"
+        }
+        // Without -f, mkfs.xfs refuses on its own to overwrite anything it recognises.
+        Filesystem::Xfs => {
+            cmd = Command::new("mkfs.xfs");
+            cmd.arg("-q").arg("-m").arg(format!("uuid={uuid}"));
+            if force {
+                cmd.arg("-f");
+            }
+            "mkfs.xfs"
+        }
+    };
+    run(tool, cmd.arg(device), device)
+}
+
+/// Creates `fs` with filesystem UUID `uuid` on `device`, after checking once more that the
+/// device is blank. The caller journals `uuid` first: it is how an interrupted format is
+/// told apart from a filesystem someone else made.
+pub fn make_filesystem(device: &Path, fs: Filesystem, uuid: &str) -> Result<(), Error> {
     match probe(device)? {
         Probe::Blank => {}
         Probe::Filesystem(found) | Probe::Other(found) => {
@@ -106,22 +156,23 @@ pub fn make_filesystem(device: &Path, fs: Filesystem) -> Result<(), Error> {
             })
         }
     }
-    let (tool, args): (&'static str, &[&str]) = match fs {
-        Filesystem::Ext4 => ("mkfs.ext4", &["-q"]),
-        // No -f: mkfs.xfs refuses on its own to overwrite anything it recognises.
-        Filesystem::Xfs => ("mkfs.xfs", &["-q"]),
-    };
-    run(tool, Command::new(tool).args(args).arg(device), device)
+    mkfs(device, fs, uuid, false)
 }
 
-/// Formats again after an interrupted format. Only for a device the caller itself found
-/// blank and whose formatting did not finish: the partial filesystem holds nothing.
-pub fn redo_interrupted_format(device: &Path, fs: Filesystem) -> Result<(), Error> {
-    let (tool, args): (&'static str, &[&str]) = match fs {
-        Filesystem::Ext4 => ("mkfs.ext4", &["-q", "-F"]),
-        Filesystem::Xfs => ("mkfs.xfs", &["-q", "-f"]),
-    };
-    run(tool, Command::new(tool).args(args).arg(device), device)
+/// Formats again after an interrupted format, only if the filesystem there carries exactly
+/// `uuid`, the one the caller journaled before its own mkfs: anything else may hold data.
+pub fn redo_interrupted_format(device: &Path, fs: Filesystem, uuid: &str) -> Result<(), Error> {
+    let found = probe_uuid(device)?;
+    if found.as_deref() != Some(uuid.to_ascii_lowercase().as_str()) {
+        return Err(Error::NotBlank {
+            device: device.to_owned(),
+            found: format!(
+                "a filesystem with UUID {}, not the {uuid} this driver was formatting",
+                found.as_deref().unwrap_or("(none)")
+            ),
+        });
+    }
+    mkfs(device, fs, uuid, true)
 }
 
 /// Grows the filesystem to the size of its device. ext4 grows through the device, xfs only
@@ -205,12 +256,28 @@ mod tests {
             .set_len(16 << 20)
             .unwrap();
         assert_eq!(probe(&img).unwrap(), Probe::Blank);
-        make_filesystem(&img, Filesystem::Ext4).unwrap();
+        assert_eq!(probe_uuid(&img).unwrap(), None);
+        let uuid = "0b5e1f3c-9a7d-4e2b-8c61-d2f0a4b7e913";
+        make_filesystem(&img, Filesystem::Ext4, uuid).unwrap();
         assert_eq!(probe(&img).unwrap(), Probe::Filesystem("ext4".into()));
-        let err = make_filesystem(&img, Filesystem::Xfs).unwrap_err();
+        assert_eq!(probe_uuid(&img).unwrap().as_deref(), Some(uuid));
+        let err = make_filesystem(&img, Filesystem::Xfs, uuid).unwrap_err();
         assert!(
             matches!(err, Error::NotBlank { ref found, .. } if found == "ext4"),
             "{err}"
+        );
+        // An interrupted format is redone only over the filesystem it was making.
+        redo_interrupted_format(&img, Filesystem::Ext4, uuid).unwrap();
+        let other = "5d2c7a10-3b4e-4f6a-9e8d-1c0b2a394857";
+        let err = redo_interrupted_format(&img, Filesystem::Ext4, other).unwrap_err();
+        assert!(
+            matches!(err, Error::NotBlank { ref found, .. } if found.contains(uuid)),
+            "{err}"
+        );
+        assert_eq!(
+            probe_uuid(&img).unwrap().as_deref(),
+            Some(uuid),
+            "untouched"
         );
     }
 }
