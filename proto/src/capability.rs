@@ -1,7 +1,9 @@
 //! The driver's access-mode rules over the generated types, in one place so that the node and
 //! the controller cannot disagree: a filesystem lives on one node; several nodes only for block
 //! volumes (live migration of VM disks), and never "several nodes, one writer", which a block
-//! device cannot enforce.
+//! device cannot enforce. Block volumes use ReadWriteOncePod for one pod and ReadWriteMany for
+//! live migration, as the guide says: ReadWriteOnce would let several pods of a node write one
+//! raw disk unawares, and ReadOnlyMany is not offered.
 
 use crate::csi::volume_capability::access_mode::Mode;
 use crate::csi::volume_capability::{AccessType, MountVolume};
@@ -36,10 +38,55 @@ pub fn check(cap: &VolumeCapability) -> Result<(Mode, Shape<'_>), String> {
                 .into(),
         ),
         Some(AccessType::Mount(m)) => Ok((mode, Shape::Mount(m))),
-        Some(AccessType::Block(_)) if mode == Mode::MultiNodeSingleWriter => Err(
-            "MULTI_NODE_SINGLE_WRITER is not supported for block volumes: use MULTI_NODE_MULTI_WRITER (ReadWriteMany) for VM live migration"
-                .into(),
-        ),
-        Some(AccessType::Block(_)) => Ok((mode, Shape::Block)),
+        Some(AccessType::Block(_)) => match mode {
+            Mode::SingleNodeSingleWriter | Mode::SingleNodeReaderOnly | Mode::MultiNodeMultiWriter => {
+                Ok((mode, Shape::Block))
+            }
+            Mode::MultiNodeSingleWriter => Err(
+                "MULTI_NODE_SINGLE_WRITER is not supported for block volumes: use MULTI_NODE_MULTI_WRITER (ReadWriteMany) for VM live migration"
+                    .into(),
+            ),
+            Mode::SingleNodeWriter | Mode::SingleNodeMultiWriter => Err(
+                "ReadWriteOnce is not offered for block volumes: use ReadWriteOncePod (SINGLE_NODE_SINGLE_WRITER) for one pod, or ReadWriteMany (MULTI_NODE_MULTI_WRITER) for VM live migration"
+                    .into(),
+            ),
+            Mode::MultiNodeReaderOnly | Mode::Unknown => Err(
+                "ReadOnlyMany is not offered for block volumes: use ReadWriteOncePod (SINGLE_NODE_SINGLE_WRITER) and publish read-only"
+                    .into(),
+            ),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::csi::volume_capability::{AccessMode, BlockVolume};
+
+    fn block(mode: Mode) -> VolumeCapability {
+        VolumeCapability {
+            access_type: Some(AccessType::Block(BlockVolume {})),
+            access_mode: Some(AccessMode { mode: mode as i32 }),
+        }
+    }
+
+    #[test]
+    fn block_volumes_take_the_guides_modes_only() {
+        for ok in [
+            Mode::SingleNodeSingleWriter,
+            Mode::MultiNodeMultiWriter,
+            Mode::SingleNodeReaderOnly,
+        ] {
+            assert!(check(&block(ok)).is_ok(), "{ok:?}");
+        }
+        for (refused, says) in [
+            (Mode::SingleNodeWriter, "ReadWriteOncePod"),
+            (Mode::SingleNodeMultiWriter, "ReadWriteOncePod"),
+            (Mode::MultiNodeReaderOnly, "ReadWriteOncePod"),
+            (Mode::MultiNodeSingleWriter, "MULTI_NODE_MULTI_WRITER"),
+        ] {
+            let err = check(&block(refused)).unwrap_err();
+            assert!(err.contains(says), "{refused:?}: {err}");
+        }
     }
 }

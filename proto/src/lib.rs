@@ -15,3 +15,10 @@ pub mod registration {
 }
 
 pub mod capability;
+
+/// The CSI driver name, as CSIDriver objects, StorageClasses and PVs spell it; one definition
+/// for node and controller.
+pub const DRIVER_NAME: &str = "ustor-nbd.csi.mindsw.io";
+
+/// The topology segment of nodes whose node service runs (the data plane).
+pub const TOPOLOGY_KEY: &str = "topology.ustor-nbd.csi.mindsw.io/data-plane";

@@ -7,7 +7,7 @@ use csi_proto::csi::plugin_capability::{Service, Type as CapType};
 use csi_proto::csi::*;
 use tonic::{Request, Response, Status};
 
-pub const DRIVER_NAME: &str = "ustor-nbd.csi.mindsw.io";
+pub use csi_proto::DRIVER_NAME;
 
 #[derive(Debug, Default)]
 pub struct IdentityService;
