@@ -8,6 +8,10 @@ pub enum ControllerError {
     InvalidArgument(String),
     #[error("{0}")]
     NotFound(String),
+    /// An id this driver did not issue (another driver's, malformed, of another backend):
+    /// for the CSI spec the object it names does not exist.
+    #[error("{0}")]
+    UnknownId(String),
     #[error("{0}")]
     AlreadyExists(String),
     #[error("{0}")]
@@ -36,7 +40,7 @@ impl ControllerError {
     pub fn code(&self) -> Code {
         match self {
             ControllerError::InvalidArgument(_) => Code::InvalidArgument,
-            ControllerError::NotFound(_) => Code::NotFound,
+            ControllerError::NotFound(_) | ControllerError::UnknownId(_) => Code::NotFound,
             ControllerError::AlreadyExists(_) => Code::AlreadyExists,
             ControllerError::FailedPrecondition(_) => Code::FailedPrecondition,
             ControllerError::OutOfRange(_) => Code::OutOfRange,

@@ -53,27 +53,27 @@ impl Handle {
         let mut parts = raw.splitn(3, ':');
         let (b, k, image) = (parts.next(), parts.next(), parts.next());
         let (Some(b), Some(k), Some(image)) = (b, k, image) else {
-            return Err(ControllerError::invalid(format!(
+            return Err(ControllerError::UnknownId(format!(
                 "{field} {raw:?} is not an id this driver issued"
             )));
         };
         if k != kind.as_str() {
-            return Err(ControllerError::invalid(format!(
+            return Err(ControllerError::UnknownId(format!(
                 "{field} {raw:?} names a {k}, not a {}",
                 kind.as_str()
             )));
         }
         if b != backend {
-            return Err(ControllerError::invalid(format!(
+            return Err(ControllerError::UnknownId(format!(
                 "{field} {raw:?} belongs to backend {b:?}; this controller serves {backend:?}"
             )));
         }
         // A backend with pools keys images as `<pool>/<image>`.
         let mut segments = image.split('/');
         let valid = segments.clone().count() <= 2 && segments.all(|s| valid_image(s).is_ok());
-        if !valid {
-            return Err(ControllerError::invalid(format!(
-                "{field} {raw:?}: image name {image:?} is not valid"
+        if !valid || raw.len() > MAX_ID {
+            return Err(ControllerError::UnknownId(format!(
+                "{field} {raw:?}: image name {image:?} is not one this driver issued"
             )));
         }
         Ok(Self::new(backend, kind, image.to_owned()))
@@ -83,6 +83,25 @@ impl Handle {
 impl fmt::Display for Handle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}:{}:{}", self.backend, self.kind.as_str(), self.image)
+    }
+}
+
+/// The CSI spec's limit on ids (and most strings): 128 bytes.
+pub const MAX_ID: usize = 128;
+/// Longest pool name: with the longest prefix (`ustor:snapshot:`), a pool, `/` and an image
+/// of [`MAX_IMAGE`] bytes, an id stays within [`MAX_ID`].
+pub const MAX_POOL: usize = 32;
+pub const MAX_IMAGE: usize = MAX_ID - "ustor:snapshot:".len() - MAX_POOL - 1;
+
+/// Checks a pool name from a StorageClass: what an image name may be, and short enough that
+/// ids stay within the spec's 128 bytes.
+pub fn valid_pool(pool: &str) -> Result<(), ControllerError> {
+    if pool.len() <= MAX_POOL && valid_image(pool).is_ok() {
+        Ok(())
+    } else {
+        Err(ControllerError::invalid(format!(
+            "pool {pool:?} must be 1-{MAX_POOL} characters of a-z, 0-9, - and ."
+        )))
     }
 }
 
@@ -116,9 +135,10 @@ pub fn valid_cluster_id(id: &str) -> Result<(), String> {
     }
 }
 
-/// The image name for a CSI object name: `<cluster>-<name>`, lowercased. A name with
-/// characters an image name cannot hold gets them replaced and a digest appended, so two
-/// different names never share an image.
+/// The image name for a CSI object name: `<cluster>-<name>`, lowercased, at most
+/// [`MAX_IMAGE`] bytes. A name with characters an image name cannot hold, or too long to fit,
+/// is cut and gets a digest of the whole name appended, so two different names never share
+/// an image.
 pub fn image_for(cluster: &str, name: &str) -> Result<String, ControllerError> {
     if name.is_empty() {
         return Err(ControllerError::invalid("name is required"));
@@ -139,10 +159,10 @@ pub fn image_for(cluster: &str, name: &str) -> Result<String, ControllerError> {
         })
         .collect();
     let mut image = format!("{cluster}-{clean}");
-    if clean != name {
-        image = format!("{}-{:016x}", &image[..image.len().min(100)], fnv1a(name));
+    if clean != name || image.len() > MAX_IMAGE {
+        let keep = image[..image.len().min(MAX_IMAGE - 17)].trim_end_matches(['-', '.']);
+        image = format!("{keep}-{:016x}", fnv1a(name));
     }
-    image.truncate(128);
     valid_image(&image).map_err(ControllerError::invalid)?;
     Ok(image)
 }
@@ -172,17 +192,25 @@ mod tests {
                 .image,
             "data/k8s-pvc-1"
         );
+        assert!(matches!(
+            Handle::parse("", "local", Kind::Volume),
+            Err(ControllerError::InvalidArgument(_))
+        ));
         for (bad, why) in [
-            ("", "required"),
             ("k8s-pvc-1", "not an id this driver issued"),
             ("local:snapshot:k8s-s", "names a snapshot"),
             ("ustor:volume:k8s-pvc-1", "belongs to backend"),
-            ("local:volume:../etc", "not valid"),
-            ("local:volume:a/b/c", "not valid"),
-            ("local:volume:UPPER", "not valid"),
+            ("local:volume:../etc", "not one this driver issued"),
+            ("local:volume:a/b/c", "not one this driver issued"),
+            ("local:volume:UPPER", "not one this driver issued"),
         ] {
             let err = Handle::parse(bad, "local", Kind::Volume).unwrap_err();
             assert!(err.to_string().contains(why), "{bad}: {err}");
+            assert_eq!(
+                err.code(),
+                tonic::Code::NotFound,
+                "{bad}: not an id of ours"
+            );
         }
     }
 
@@ -194,6 +222,23 @@ mod tests {
         assert_ne!(a, b, "sanitised names get distinct digests");
         assert!(a.starts_with("k8s-my-volume-"));
         assert!(image_for("k8s", "").is_err());
+        // The longest names the spec allows give ids within its 128 bytes, distinct ones.
+        let long_a = "a".repeat(128);
+        let long_b = format!("{}b", "a".repeat(127));
+        let (ia, ib) = (
+            image_for("k8s", &long_a).unwrap(),
+            image_for("k8s", &long_b).unwrap(),
+        );
+        assert_ne!(ia, ib);
+        let pool = "p".repeat(MAX_POOL);
+        for image in [ia, ib] {
+            let id = Handle::new("ustor", Kind::Snapshot, format!("{pool}/{image}")).to_string();
+            assert!(id.len() <= MAX_ID, "{id} is {} bytes", id.len());
+            assert!(Handle::parse(&id, "ustor", Kind::Snapshot).is_ok());
+        }
+        assert!(valid_pool(&pool).is_ok());
+        assert!(valid_pool(&"p".repeat(MAX_POOL + 1)).is_err());
+        assert!(valid_pool("Data").is_err());
         assert!(valid_cluster_id("prod-1").is_ok());
         assert!(valid_cluster_id("Prod").is_err());
         assert!(valid_cluster_id("").is_err());

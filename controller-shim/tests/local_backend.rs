@@ -524,7 +524,22 @@ async fn bad_input_gets_the_spec_code() {
             volume_id: "local:snapshot:test-x".into(),
         })),
     });
-    cases.push(("snapshot id as volume source", r, Code::InvalidArgument));
+    cases.push(("snapshot id as volume source", r, Code::NotFound));
+    // Ids another driver issued (csi-sanity's "some-snap-id"): the source does not exist.
+    let mut r = create("x", MIB, ext4());
+    r.volume_content_source = Some(VolumeContentSource {
+        r#type: Some(SourceType::Snapshot(SnapshotSource {
+            snapshot_id: "some-snap-id".into(),
+        })),
+    });
+    cases.push(("foreign snapshot source", r, Code::NotFound));
+    let mut r = create("x", MIB, ext4());
+    r.volume_content_source = Some(VolumeContentSource {
+        r#type: Some(SourceType::Volume(VolumeSource {
+            volume_id: "some-vol-id".into(),
+        })),
+    });
+    cases.push(("foreign volume source", r, Code::NotFound));
     for (what, req, code) in cases {
         let err = c.client.create_volume(req).await.expect_err(what);
         assert_eq!(err.code(), code, "{what}: {}", err.message());
@@ -536,14 +551,31 @@ async fn bad_input_gets_the_spec_code() {
         "nothing was created"
     );
 
-    let err = c
-        .client
+    // Deleting what this driver never issued is deleting what does not exist: OK.
+    c.client
         .delete_volume(DeleteVolumeRequest {
             volume_id: "not-ours".into(),
         })
         .await
+        .expect("a foreign volume id is deleted");
+    c.client
+        .delete_snapshot(DeleteSnapshotRequest {
+            snapshot_id: "ustor:snapshot:data/x".into(),
+        })
+        .await
+        .expect("a foreign snapshot id is deleted");
+    let err = c
+        .client
+        .delete_volume(DeleteVolumeRequest {
+            volume_id: String::new(),
+        })
+        .await
         .unwrap_err();
-    assert_eq!(err.code(), Code::InvalidArgument);
+    assert_eq!(
+        err.code(),
+        Code::InvalidArgument,
+        "an empty id is still refused"
+    );
     c.client
         .delete_volume(DeleteVolumeRequest {
             volume_id: "local:volume:test-never-existed".into(),
@@ -612,12 +644,30 @@ async fn bad_input_gets_the_spec_code() {
         "{}",
         refused.message
     );
-    let err = c
+    for unknown in ["local:volume:test-nope", "some-vol-id"] {
+        let err = c
+            .client
+            .validate_volume_capabilities(validate(unknown, vec![ext4()]))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::NotFound, "{unknown}");
+    }
+    // The longest name the spec allows gives an id within its 128 bytes.
+    let long = c
         .client
-        .validate_volume_capabilities(validate("local:volume:test-nope", vec![ext4()]))
+        .create_volume(create(&"n".repeat(128), MIB, ext4()))
         .await
-        .unwrap_err();
-    assert_eq!(err.code(), Code::NotFound);
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    assert!(long.volume_id.len() <= 128, "{}", long.volume_id);
+    c.client
+        .delete_volume(DeleteVolumeRequest {
+            volume_id: long.volume_id,
+        })
+        .await
+        .unwrap();
     let err = c
         .client
         .validate_volume_capabilities(validate(&v.volume_id, vec![]))

@@ -19,7 +19,7 @@ use crate::error::ControllerError;
 use crate::ids::{image_for, Handle, Kind};
 
 /// Topology segment every node running the node service reports.
-pub const TOPOLOGY_KEY: &str = "topology.ustor-nbd.csi.mindsw.io/data-plane";
+pub use csi_proto::TOPOLOGY_KEY;
 /// Size of a volume whose claim names none.
 pub const DEFAULT_SIZE: u64 = 1 << 30;
 
@@ -224,7 +224,14 @@ impl ControllerService {
         &self,
         r: DeleteVolumeRequest,
     ) -> Result<DeleteVolumeResponse, ControllerError> {
-        let h = self.volume_handle(&r.volume_id)?;
+        let h = match self.volume_handle(&r.volume_id) {
+            // Not an id of ours: for the spec, a volume that does not exist is deleted.
+            Err(ControllerError::UnknownId(why)) => {
+                tracing::info!(%why, "DeleteVolume of an id this driver did not issue");
+                return Ok(DeleteVolumeResponse {});
+            }
+            other => other?,
+        };
         let _serial = self.serial.lock().await;
         if let Some(meta) = self.backend.volume(&h.image).await? {
             if !meta.published.is_empty() {
@@ -632,7 +639,13 @@ impl Controller for ControllerService {
     ) -> Result<Response<DeleteSnapshotResponse>, Status> {
         let r = r.into_inner();
         let result = async {
-            let h = self.snapshot_handle(&r.snapshot_id)?;
+            let h = match self.snapshot_handle(&r.snapshot_id) {
+                Err(ControllerError::UnknownId(why)) => {
+                    tracing::info!(%why, "DeleteSnapshot of an id this driver did not issue");
+                    return Ok(DeleteSnapshotResponse {});
+                }
+                other => other?,
+            };
             let _serial = self.serial.lock().await;
             self.backend.delete_snapshot(&h.image).await?;
             Ok(DeleteSnapshotResponse {})

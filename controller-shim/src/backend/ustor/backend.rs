@@ -162,6 +162,7 @@ impl Backend for UstorBackend {
         parameters: &BTreeMap<String, String>,
     ) -> Result<String, ControllerError> {
         let pool = parameters.get("pool").unwrap_or(&self.default_pool);
+        crate::ids::valid_pool(pool)?;
         Ok(format!("{pool}/{image}"))
     }
 
