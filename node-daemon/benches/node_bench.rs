@@ -78,7 +78,7 @@ async fn attach_latency(server: &NbdServer) {
             .node_stage_volume(stage_request(
                 &id,
                 &path,
-                block_capability(Mode::SingleNodeWriter),
+                block_capability(Mode::SingleNodeSingleWriter),
                 &uri,
             ))
             .await
@@ -144,7 +144,7 @@ async fn restart_and_footprint(server: &NbdServer) {
                 .node_stage_volume(stage_request(
                     &id,
                     &path,
-                    block_capability(Mode::SingleNodeWriter),
+                    block_capability(Mode::SingleNodeSingleWriter),
                     &uri,
                 ))
                 .await
@@ -183,7 +183,7 @@ async fn reconnect_time() {
     let mut daemon = NodeDaemon::new("bench-heal", "io-timeout-secs = 2\n").unwrap();
     let mut c = daemon.start(None).await;
     let path = staging(&daemon, "heal");
-    let cap = block_capability(Mode::SingleNodeWriter);
+    let cap = block_capability(Mode::SingleNodeSingleWriter);
     c.node
         .node_stage_volume(stage_request(
             "heal",

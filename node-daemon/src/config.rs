@@ -6,9 +6,9 @@ use std::time::Duration;
 use serde::Deserialize;
 
 /// The driver name kubelet and the CO know this plugin by.
-pub const DRIVER_NAME: &str = "ustor-nbd.csi.mindsw.io";
+pub use csi_proto::DRIVER_NAME;
 /// Topology key whose presence on a node says "this node runs the NBD data plane".
-pub const TOPOLOGY_KEY: &str = "topology.ustor-nbd.csi.mindsw.io/data-plane";
+pub use csi_proto::TOPOLOGY_KEY;
 
 pub const DEFAULT_CSI_ENDPOINT: &str =
     "unix:///var/lib/kubelet/plugins/ustor-nbd.csi.mindsw.io/csi.sock";
@@ -80,7 +80,7 @@ impl Settings {
             node_id,
             registration_dir: Some(DEFAULT_REGISTRATION_DIR.into()),
             io_timeout: Duration::from_secs(30),
-            dead_conn_timeout: Duration::from_secs(300),
+            dead_conn_timeout: nbd::attach::DEFAULT_DEAD_CONN_TIMEOUT,
             dial_timeout: Duration::from_secs(10),
             max_volumes: None,
             call_patience: Duration::from_secs(15),

@@ -11,10 +11,12 @@ use std::os::fd::OwnedFd;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use nbd::sysfs::ProvenDevice;
 use socket2::SockRef;
 
 use crate::error::NodeError;
-use crate::record::TcpConnection;
+use crate::node::Node;
+use crate::record::{Record, TcpConnection};
 
 /// The TCP address pairs of `sockets` (unix sockets have none).
 pub fn tcp_pairs(sockets: &[OwnedFd]) -> Vec<TcpConnection> {
@@ -24,7 +26,8 @@ pub fn tcp_pairs(sockets: &[OwnedFd]) -> Vec<TcpConnection> {
             let s = SockRef::from(fd);
             let local = s.local_addr().ok()?.as_socket()?;
             let peer = s.peer_addr().ok()?.as_socket()?;
-            Some(TcpConnection { local, peer })
+            let inode = nix::sys::stat::fstat(fd).ok().map(|st| st.st_ino);
+            Some(TcpConnection { local, peer, inode })
         })
         .collect()
 }
@@ -38,33 +41,49 @@ pub fn union(known: &[TcpConnection], fresh: &[TcpConnection]) -> Vec<TcpConnect
     all
 }
 
-/// Of `known` and `fresh`, the connections still established: after a RECONFIGURE the kernel
-/// kept the fresh sockets that found a dead slot and the live old ones; the others are closed
-/// (call this after dropping our copies). If the kernel cannot be asked, all are kept: an
-/// address that no longer exists costs nothing later, a forgotten one could not be replaced.
-pub fn still_established(known: &[TcpConnection], fresh: &[TcpConnection]) -> Vec<TcpConnection> {
-    let all = union(known, fresh);
-    let mut live = Vec::with_capacity(all.len());
-    for c in &all {
+/// Of `known`, the connections still established: after a RECONFIGURE the kernel kept the
+/// fresh sockets that found a dead slot and the live old ones; the others are closed (call
+/// this after dropping our copies). If the kernel cannot tell, all are kept: an address that
+/// no longer exists costs nothing later, a forgotten one could not be replaced.
+pub fn still_established(known: &[TcpConnection]) -> Vec<TcpConnection> {
+    let mut live = Vec::with_capacity(known.len());
+    for c in known {
         match nbd::sockdiag::tcp_established(c.local, c.peer) {
-            Ok(true) => live.push(*c),
-            Ok(false) => {}
+            Ok(Some(true)) => live.push(*c),
+            Ok(Some(false)) => {}
+            Ok(None) => {
+                tracing::debug!("the kernel cannot tell TCP states (tcp_diag not loaded); keeping every known connection");
+                return known.to_vec();
+            }
             Err(e) => {
                 tracing::debug!(error = %e, "cannot query TCP states; keeping every known connection");
-                return all;
+                return known.to_vec();
             }
         }
     }
     live
 }
 
-/// Redials `record`'s export and offers the device the new sockets, journaling their
+/// Whether any of `known` is provably closed: a slot of the device is dead (the healer may
+/// have missed its LINK_DEAD). `false` when the kernel cannot tell.
+pub fn any_closed(known: &[TcpConnection]) -> bool {
+    known.iter().any(|c| {
+        matches!(
+            nbd::sockdiag::tcp_established(c.local, c.peer),
+            Ok(Some(false))
+        )
+    })
+}
+
+/// Redials the export of `record` and offers its device the new sockets, journaling their
 /// addresses ahead and the ones the kernel kept after. The shared step of healing and of
-/// replacing connections.
+/// replacing connections. Takes no volume lock: it needs only the identifier, which the
+/// kernel checks again on RECONFIGURE, and the volume's link lock, which no one holds
+/// across device I/O.
 pub async fn offer_new_connections(
-    node: &crate::node::Node,
-    record: &mut crate::record::Record,
-    device: &nbd::sysfs::ProvenDevice,
+    node: &Node,
+    record: &Record,
+    device: &ProvenDevice,
 ) -> Result<(), NodeError> {
     let export = record.export.clone().ok_or_else(|| {
         NodeError::FailedPrecondition(format!(
@@ -74,34 +93,59 @@ pub async fn offer_new_connections(
     })?;
     let uri = crate::node::export_uri(&export)?;
     let dialed = nbd::dial::dial(&uri, &node.dial_options(&export)).await?;
+    let volume = record.volume_id.as_str();
+    let _link = node.link_locks.lock(volume).await;
+    if node.is_detaching(volume) {
+        return Err(NodeError::Unavailable(format!(
+            "volume {volume} is being detached"
+        )));
+    }
+    // Proven again under the link lock: the device may have been detached while we dialed.
+    let device = node.sysfs.prove(device.index(), device.identifier())?;
     let fresh = tcp_pairs(&dialed.sockets);
+    let known = node.record(volume).map(|r| r.tcp).unwrap_or_default();
     if !fresh.is_empty() {
-        record.tcp = union(&record.tcp, &fresh);
-        node.save(record)?;
+        node.set_tcp(volume, &record.identifier, union(&known, &fresh))?;
     }
-    let offered = nbd::attach::reconnect_dialed(&node.nl, device, &dialed).await;
+    let offered = nbd::attach::reconnect_dialed(&node.nl, &device, &dialed).await;
     drop(dialed);
-    let live = still_established(&record.tcp, &[]);
-    if live != record.tcp {
-        record.tcp = live;
-        node.save(record)?;
-    }
+    let known = node.record(volume).map(|r| r.tcp).unwrap_or_default();
+    node.set_tcp(volume, &record.identifier, still_established(&known))?;
     offered.map_err(NodeError::from)
 }
 
-/// Aborts every recorded connection of a device, so the kernel marks them dead.
+/// Aborts every recorded connection of a device, so the kernel marks them dead. Only
+/// sockets proven to be the device's are touched: the address pair and the inode the socket
+/// had when it was handed to the kernel must both match what the kernel reports now.
 pub fn abort_all(tcp: &[TcpConnection]) -> Result<usize, NodeError> {
+    use nbd::sockdiag::{lookup_tcp, Lookup};
     let mut aborted = 0;
     for c in tcp {
-        if nbd::sockdiag::destroy_tcp(c.local, c.peer)? {
-            aborted += 1;
+        match lookup_tcp(c.local, c.peer)? {
+            Lookup::Found { inode, .. } if Some(inode) == c.inode => {
+                if nbd::sockdiag::destroy_tcp(c.local, c.peer)? {
+                    aborted += 1;
+                }
+            }
+            Lookup::Found { .. } => tracing::warn!(
+                local = %c.local,
+                peer = %c.peer,
+                "a connection at a recorded address is not the device's (another socket, or no recorded inode): left alone"
+            ),
+            Lookup::Absent => {}
+            Lookup::Unknown => {
+                return Err(NodeError::FailedPrecondition(
+                    "the kernel's TCP socket diagnostics are not loaded (modprobe tcp_diag): cannot tell which connections are the device's".into(),
+                ))
+            }
         }
     }
     Ok(aborted)
 }
 
 /// Whether the device can read its last 4 KiB, bypassing the page cache: the server serves
-/// the whole (new) size on the device's connections.
+/// the whole (new) size on the device's connections. Blocks while the link is down: call it
+/// through [`crate::node::off_runtime`].
 pub fn serves_size(dev: &Path, size: u64) -> bool {
     use std::os::unix::fs::{FileExt, OpenOptionsExt};
     const BLOCK: usize = 4096;

@@ -17,6 +17,8 @@ pub enum NodeError {
     Busy(String),
     #[error("{0}")]
     Unavailable(String),
+    #[error("{0}")]
+    ResourceExhausted(String),
     #[error(transparent)]
     Nbd(#[from] nbd::Error),
     #[error(transparent)]
@@ -32,6 +34,20 @@ impl NodeError {
         NodeError::InvalidArgument(msg.into())
     }
 
+    /// Whether kubelet takes this answer as final: it then forgets the operation and never
+    /// calls the matching undo (NodeUnstage after a NodeStage), so the daemon must undo it.
+    /// Retried are the codes kubelet treats as "maybe still in progress".
+    pub fn is_final(&self) -> bool {
+        !matches!(
+            self.code(),
+            Code::Aborted
+                | Code::Unavailable
+                | Code::DeadlineExceeded
+                | Code::ResourceExhausted
+                | Code::Cancelled
+        )
+    }
+
     /// The gRPC code this error is answered with.
     pub fn code(&self) -> Code {
         match self {
@@ -41,6 +57,7 @@ impl NodeError {
             NodeError::FailedPrecondition(_) => Code::FailedPrecondition,
             NodeError::Busy(_) => Code::Aborted,
             NodeError::Unavailable(_) => Code::Unavailable,
+            NodeError::ResourceExhausted(_) => Code::ResourceExhausted,
             NodeError::Nbd(e) => nbd_code(e),
             NodeError::Mount(e) => mount_code(e),
             NodeError::Journal(_) | NodeError::Internal(_) => Code::Internal,
@@ -121,6 +138,10 @@ mod tests {
                 Code::NotFound,
             ),
             (NodeError::Journal("disk full".into()), Code::Internal),
+            (
+                NodeError::ResourceExhausted("nbds_max".into()),
+                Code::ResourceExhausted,
+            ),
         ];
         for (err, code) in cases {
             let msg = err.to_string();
@@ -128,5 +149,15 @@ mod tests {
             assert_eq!(status.code(), code, "{msg}");
             assert_eq!(status.message(), msg);
         }
+    }
+
+    #[test]
+    fn final_errors_are_the_ones_kubelet_does_not_retry() {
+        assert!(NodeError::FailedPrecondition("x".into()).is_final());
+        assert!(NodeError::invalid("x").is_final());
+        assert!(NodeError::Internal("x".into()).is_final());
+        assert!(!NodeError::Busy("v".into()).is_final());
+        assert!(!NodeError::Unavailable("x".into()).is_final());
+        assert!(!NodeError::ResourceExhausted("x".into()).is_final());
     }
 }

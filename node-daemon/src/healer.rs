@@ -3,35 +3,66 @@
 //! identifier, before its dead-connection timeout runs out. I/O waits meanwhile instead of
 //! failing, whatever killed the link: a server restart, a cut network, or the kernel itself
 //! dropping the connection on a reply it did not expect ("Double reply" / "Unexpected reply").
+//!
+//! Healing never takes a volume's operation lock: a CSI call may be blocked in umount or
+//! fsync on the very device whose link is down, and only a healed link lets it finish. It
+//! needs the identifier proof and the kernel's own identifier check on RECONFIGURE, plus the
+//! volume's short link lock, which no one holds across device I/O.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use nbd::netlink::LinkDeadEvents;
 
-use crate::connections::offer_new_connections;
+use crate::connections::{any_closed, offer_new_connections};
 use crate::node::{Link, Node};
-use crate::record::Phase;
 
-// A refused dial is cheap: retry often, so I/O resumes soon after the export is back.
+// A refused dial is cheap: retry often at first, so I/O resumes soon after the export is back;
+// an export that stays away is asked every few seconds.
 const FIRST_PAUSE: Duration = Duration::from_millis(50);
-const MAX_PAUSE: Duration = Duration::from_secs(1);
+const MAX_PAUSE: Duration = Duration::from_secs(2);
+/// How often every device is checked for a dead connection whose LINK_DEAD was missed (the
+/// event socket can overrun) and for an I/O scheduler someone switched back.
+pub const SWEEP_EVERY: Duration = Duration::from_secs(10);
+
+/// A healing task's view of the events for its volume: a LINK_DEAD that arrives while a task
+/// runs bumps `dead_events`, so the task knows the link is down (not merely being refreshed)
+/// and does not end before it has healed a link that died after its last attempt.
+#[derive(Debug, Default)]
+struct Task {
+    dead_events: AtomicU64,
+}
 
 /// Volumes with a healing task running, so events for one volume do not pile up tasks.
 #[derive(Debug, Default)]
 pub struct Healer {
-    running: Mutex<HashSet<String>>,
+    running: Mutex<HashMap<String, Arc<Task>>>,
 }
 
 impl Healer {
-    /// Consumes LINK_DEAD events for as long as the daemon runs.
+    /// Consumes LINK_DEAD events for as long as the daemon runs, and sweeps every device
+    /// periodically for what the events may have missed.
     pub fn spawn(
         self: Arc<Self>,
         node: Arc<Node>,
         mut events: LinkDeadEvents,
     ) -> tokio::task::JoinHandle<()> {
+        let sweeper = {
+            let (healer, node) = (Arc::clone(&self), Arc::clone(&node));
+            tokio::spawn(async move {
+                let mut every = tokio::time::interval(SWEEP_EVERY);
+                every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                every.tick().await;
+                loop {
+                    every.tick().await;
+                    healer.sweep(&node);
+                }
+            })
+        };
         tokio::spawn(async move {
+            let _sweeper = AbortOnDrop(sweeper);
             loop {
                 match events.next().await {
                     Some(Ok(index)) => match node.record_by_device(index) {
@@ -44,7 +75,11 @@ impl Healer {
                             tracing::debug!(device = %index, "link dead on a device that is not ours")
                         }
                     },
-                    Some(Err(e)) => tracing::warn!(error = %e, "LINK_DEAD event"),
+                    Some(Err(e)) => {
+                        // Most likely an overrun: events were lost. Look at every device now.
+                        tracing::warn!(error = %e, "LINK_DEAD event stream; sweeping every device");
+                        self.sweep(&node);
+                    }
                     None => {
                         tracing::error!("LINK_DEAD stream closed; resubscribing");
                         events = loop {
@@ -56,65 +91,106 @@ impl Healer {
                                 }
                             }
                         };
+                        self.sweep(&node);
                     }
                 }
             }
         })
     }
 
-    /// After a restart: give every staged device fresh connections once. The kernel puts them
-    /// into dead slots only and drops the rest, so this heals a link that died while the
-    /// daemon was down (its LINK_DEAD went unheard) and costs a live one nothing.
+    /// After a restart: give every device fresh connections once. The kernel puts them into
+    /// dead slots only and drops the rest, so this heals a link that died while the daemon
+    /// was down (its LINK_DEAD went unheard) and costs a live one nothing. Runs before
+    /// recovery does any device I/O, which would otherwise wait on such a link.
     pub fn refresh_all(self: &Arc<Self>, node: &Arc<Node>) {
         for record in node.records() {
-            if record.phase == Phase::Staged && record.export.is_some() && record.device.is_some() {
+            if record.export.is_some() && record.device.is_some() {
                 Arc::clone(self).heal(Arc::clone(node), record.volume_id, false);
             }
         }
     }
 
+    /// What a missed LINK_DEAD would have told: a journaled connection of a device that the
+    /// kernel reports closed. Also puts back the `none` I/O scheduler (see nbd::attach).
+    pub fn sweep(self: &Arc<Self>, node: &Arc<Node>) {
+        for record in node.records() {
+            let Some(index) = record.device_index() else {
+                continue;
+            };
+            if !record.tcp.is_empty() && any_closed(&record.tcp) {
+                tracing::warn!(volume = %record.volume_id, device = %index, "a connection is closed and no LINK_DEAD was heard; reconnecting");
+                Arc::clone(self).heal(Arc::clone(node), record.volume_id.clone(), true);
+            }
+            node.keep_scheduler(&record);
+        }
+    }
+
     /// Reconnects `volume` until it succeeds or there is nothing left to heal. With
-    /// `known_dead`, the link is reported down (in the volume condition) until healed.
+    /// `known_dead`, the link is reported down (in the volume condition) until healed, and
+    /// retried with capped back-off for as long as the volume has its device.
     fn heal(self: Arc<Self>, node: Arc<Node>, volume: String, known_dead: bool) {
-        {
+        let task = {
             let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());
-            if !running.insert(volume.clone()) {
+            if let Some(task) = running.get(&volume) {
+                if known_dead {
+                    task.dead_events.fetch_add(1, Ordering::SeqCst);
+                }
                 return;
             }
-        }
-        tokio::spawn(async move {
-            let since = Instant::now();
+            let task = Arc::new(Task::default());
             if known_dead {
-                node.set_link(
-                    &volume,
-                    Link::Down {
-                        since,
-                        last_error: None,
-                    },
-                );
+                task.dead_events.fetch_add(1, Ordering::SeqCst);
             }
+            running.insert(volume.clone(), Arc::clone(&task));
+            task
+        };
+        tokio::spawn(async move {
+            let mut since = Instant::now();
             let mut pause = FIRST_PAUSE;
             let mut attempts = 0u32;
+            let mut reported_down = false;
             loop {
+                let seen = task.dead_events.load(Ordering::SeqCst);
+                let dead = seen > 0;
+                if dead && !reported_down {
+                    reported_down = true;
+                    node.set_link(
+                        &volume,
+                        Link::Down {
+                            since,
+                            last_error: None,
+                        },
+                    );
+                }
                 attempts += 1;
                 let outcome = Self::attempt(&node, &volume).await;
                 if !matches!(outcome, Ok(false)) {
                     node.metrics.heal_attempt(outcome.is_ok());
                 }
                 match outcome {
-                    Ok(true) => {
-                        if known_dead {
+                    Ok(healed) => {
+                        if healed && dead {
                             tracing::info!(%volume, attempts, downtime_ms = since.elapsed().as_millis() as u64, "link healed");
-                        } else {
+                        } else if healed {
                             tracing::debug!(%volume, "connections refreshed");
                         }
-                        node.set_link(&volume, Link::Up);
-                        break;
+                        if healed {
+                            node.set_link(&volume, Link::Up);
+                        }
+                        if self.finish(&volume, &task, seen) {
+                            return;
+                        }
+                        // The link died again after this attempt began: heal that too.
+                        (since, pause, attempts, reported_down) =
+                            (Instant::now(), FIRST_PAUSE, 0, false);
+                        continue;
                     }
-                    Ok(false) => break,
                     Err(e) => {
-                        tracing::warn!(%volume, attempts, error = %e, "reconnect failed; retrying");
-                        if known_dead {
+                        // Rate-limited: the first failures, then every doubling.
+                        if attempts.is_power_of_two() {
+                            tracing::warn!(%volume, attempts, error = %e, "reconnect failed; retrying");
+                        }
+                        if dead {
                             node.set_link(
                                 &volume,
                                 Link::Down {
@@ -122,28 +198,36 @@ impl Healer {
                                     last_error: Some(e),
                                 },
                             );
-                        } else if since.elapsed() > node.settings.dead_conn_timeout {
-                            break;
+                        } else if since.elapsed() > node.settings.dead_conn_timeout
+                            && self.finish(&volume, &task, seen)
+                        {
+                            return;
                         }
                     }
                 }
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(MAX_PAUSE);
             }
-            self.running
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .remove(&volume);
         });
     }
 
-    /// One reconnect. `Ok(false)`: nothing to heal any more (unstaged, device gone).
+    /// Ends a task unless a LINK_DEAD arrived after `seen` was read. Decided under the map's
+    /// lock, so an event is either counted by this task or starts a new one.
+    fn finish(&self, volume: &str, task: &Task, seen: u64) -> bool {
+        let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());
+        if task.dead_events.load(Ordering::SeqCst) != seen {
+            return false;
+        }
+        running.remove(volume);
+        true
+    }
+
+    /// One reconnect. `Ok(false)`: nothing to heal any more (unstaged, detaching, device gone).
     async fn attempt(node: &Node, volume: &str) -> Result<bool, String> {
-        let _guard = node.locks.lock(volume).await;
         let Some(record) = node.record(volume) else {
             return Ok(false);
         };
-        if record.phase == Phase::Unstaging {
+        if node.is_detaching(volume) {
             return Ok(false);
         }
         if record.export.is_none() {
@@ -157,10 +241,19 @@ impl Healer {
             }
             Err(e) => return Err(e.to_string()),
         };
-        let mut record = record;
-        offer_new_connections(node, &mut record, &device)
-            .await
-            .map_err(|e| e.to_string())?;
-        Ok(true)
+        match offer_new_connections(node, &record, &device).await {
+            Ok(()) => Ok(true),
+            Err(_) if node.is_detaching(volume) => Ok(false),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+}
+
+/// Stops the sweeper with the event loop (shutdown aborts the loop's task).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }

@@ -129,6 +129,24 @@ impl Identifier {
     }
 }
 
+/// A random (version 4) UUID, for a filesystem the daemon is about to create.
+pub fn random_uuid() -> Result<String, NodeError> {
+    let mut b = [0u8; 16];
+    getrandom::fill(&mut b)
+        .map_err(|e| NodeError::Internal(format!("random filesystem UUID: {e}")))?;
+    b[6] = (b[6] & 0x0f) | 0x40;
+    b[8] = (b[8] & 0x3f) | 0x80;
+    let h: String = b.iter().map(|x| format!("{x:02x}")).collect();
+    Ok(format!(
+        "{}-{}-{}-{}-{}",
+        &h[..8],
+        &h[8..12],
+        &h[12..16],
+        &h[16..20],
+        &h[20..]
+    ))
+}
+
 fn random_hex(bytes: usize) -> Result<String, NodeError> {
     let mut buf = vec![0u8; bytes];
     getrandom::fill(&mut buf)
@@ -139,6 +157,15 @@ fn random_hex(bytes: usize) -> Result<String, NodeError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn filesystem_uuids_are_random_v4() {
+        let (a, b) = (random_uuid().unwrap(), random_uuid().unwrap());
+        assert_ne!(a, b);
+        assert_eq!(a.len(), 36);
+        assert_eq!(a.as_bytes()[14], b'4', "{a}");
+        assert!(b"89ab".contains(&a.as_bytes()[19]), "{a}");
+    }
 
     #[test]
     fn volume_ids_are_validated() {

@@ -54,6 +54,11 @@ impl Journal {
 
     fn path_for(&self, volume_id: &str) -> PathBuf {
         let mut name = encode(volume_id);
+        // A leading dot would make the record a hidden file, or one that load takes for an
+        // unfinished temporary write (".tmp.…") and deletes.
+        if let Some(rest) = name.strip_prefix('.') {
+            name = format!("%2E{rest}");
+        }
         // NAME_MAX is 255 bytes; keep room for the temporary prefix.
         if name.len() + SUFFIX.len() + TMP_PREFIX.len() > 250 {
             name = format!("h.{}", digest(volume_id));
@@ -228,6 +233,8 @@ mod tests {
             phase: Phase::Staged,
             size_bytes: None,
             targets: BTreeMap::new(),
+            fs_uuid: None,
+            rebuilt: false,
             tcp: Vec::new(),
         }
     }
@@ -294,6 +301,25 @@ mod tests {
         r.schema = SCHEMA + 1;
         j.write(&r).unwrap();
         assert!(matches!(j.load(), Err(NodeError::Journal(m)) if m.contains("newer")));
+    }
+
+    #[test]
+    fn volume_ids_with_a_leading_dot_are_not_taken_for_temporary_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let j = Journal::open(dir.path()).unwrap();
+        for id in [".tmp.good", ".hidden", "."] {
+            j.write(&record(id)).unwrap();
+        }
+        let mut ids: Vec<_> = j
+            .load()
+            .unwrap()
+            .records
+            .into_iter()
+            .map(|r| r.volume_id)
+            .collect();
+        ids.sort();
+        assert_eq!(ids, [".", ".hidden", ".tmp.good"]);
+        assert_eq!(j.load().unwrap().records.len(), 3, "nothing discarded");
     }
 
     #[test]

@@ -7,6 +7,7 @@
 //! - [`healer`]: LINK_DEAD → redial → RECONFIGURE.
 //! - [`server`]: sockets, start-up order, shutdown.
 
+pub mod blockdev;
 pub mod config;
 pub mod connections;
 pub mod error;

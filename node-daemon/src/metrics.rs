@@ -29,6 +29,8 @@ pub struct Metrics {
     heals: Family<Labels, Counter>,
     /// What the last start-up could not reconcile.
     pub unreconciled: Gauge,
+    /// Devices whose I/O scheduler someone changed and the daemon set back to `none`.
+    pub scheduler_reset: Counter,
 }
 
 fn buckets() -> Histogram {
@@ -47,6 +49,7 @@ impl Default for Metrics {
         let link_dead = Counter::default();
         let heals = Family::<Labels, Counter>::default();
         let unreconciled = Gauge::default();
+        let scheduler_reset = Counter::default();
         registry.register(
             "requests",
             "CSI calls by method and gRPC code",
@@ -78,6 +81,11 @@ impl Default for Metrics {
             "Problems the last start-up could not reconcile",
             unreconciled.clone(),
         );
+        registry.register(
+            "scheduler_resets",
+            "Devices whose I/O scheduler was changed and set back to none",
+            scheduler_reset.clone(),
+        );
         Self {
             registry,
             requests,
@@ -87,6 +95,7 @@ impl Default for Metrics {
             link_dead,
             heals,
             unreconciled,
+            scheduler_reset,
         }
     }
 }

@@ -1,7 +1,7 @@
 //! The node's state: journal, kernel handles, the in-memory copy of the records, per-volume
 //! locks and link health. The CSI operations are `impl Node` blocks in `volumes/`.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -19,7 +19,7 @@ use crate::error::NodeError;
 use crate::journal::Journal;
 use crate::locks::VolumeLocks;
 use crate::metrics::Metrics;
-use crate::record::{Export, Record};
+use crate::record::{Export, Record, TcpConnection};
 
 /// Health of a volume's link to its export, as the healer last saw it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -38,8 +38,17 @@ pub struct Node {
     pub(crate) nl: NbdNetlink,
     pub(crate) sysfs: Sysfs,
     records: Mutex<BTreeMap<String, Record>>,
+    /// One CSI operation (or recovery step) per volume at a time. Held across device I/O, so
+    /// healing never takes it.
     pub(crate) locks: VolumeLocks,
+    /// Serialises what changes a device's connections: the healer's RECONFIGURE and a CSI
+    /// call's DISCONNECT or resize. Never held across I/O on the device itself (mount, umount,
+    /// fsync, mkfs): a call blocked on a dead link must not keep the healer from fixing it.
+    pub(crate) link_locks: VolumeLocks,
     links: Mutex<HashMap<String, Link>>,
+    /// Volumes whose device is being disconnected: the healer must not RECONFIGURE them
+    /// (kernels before 6.14 accept a reconnect after DISCONNECT and can then use freed memory).
+    detaching: Mutex<HashSet<String>>,
     ready: AtomicBool,
 }
 
@@ -66,7 +75,9 @@ impl Node {
             sysfs,
             records: Mutex::default(),
             locks: VolumeLocks::default(),
+            link_locks: VolumeLocks::default(),
             links: Mutex::default(),
+            detaching: Mutex::default(),
             ready: AtomicBool::new(false),
         }
     }
@@ -90,6 +101,17 @@ impl Node {
         }
     }
 
+    /// NOT_FOUND for a volume this node has no record of.
+    pub(crate) fn require_known(&self, volume: &crate::ids::VolumeId) -> Result<(), NodeError> {
+        self.ensure_ready()?;
+        match self.record(volume.as_str()) {
+            Some(_) => Ok(()),
+            None => Err(NodeError::NotFound(format!(
+                "volume {volume} is not staged on this node"
+            ))),
+        }
+    }
+
     pub fn record(&self, volume: &str) -> Option<Record> {
         lock(&self.records).get(volume).cloned()
     }
@@ -105,19 +127,50 @@ impl Node {
             .cloned()
     }
 
-    /// Journals `record` durably, then makes it the in-memory truth.
+    /// Journals `record` durably, then makes it the in-memory truth. The connection list
+    /// (`tcp`) is not the caller's to change: the healer updates it without the volume lock,
+    /// so the current one is kept (see [`Node::set_tcp`]). Journal writes happen under the
+    /// records lock, so two writers of one volume never interleave.
     pub(crate) fn save(&self, record: &Record) -> Result<(), NodeError> {
-        self.journal.write(record)?;
         let mut records = lock(&self.records);
-        records.insert(record.volume_id.clone(), record.clone());
+        let mut record = record.clone();
+        if let Some(current) = records.get(&record.volume_id) {
+            if current.identifier == record.identifier {
+                record.tcp = current.tcp.clone();
+            }
+        }
+        self.journal.write(&record)?;
+        records.insert(record.volume_id.clone(), record);
         self.metrics.volumes.set(records.len() as i64);
+        Ok(())
+    }
+
+    /// Journals the connections the device of `volume` may hold, if the volume still has
+    /// the attachment `identifier` (a forgotten or re-attached volume is left alone).
+    pub(crate) fn set_tcp(
+        &self,
+        volume: &str,
+        identifier: &str,
+        tcp: Vec<TcpConnection>,
+    ) -> Result<(), NodeError> {
+        let mut records = lock(&self.records);
+        let Some(current) = records.get(volume) else {
+            return Ok(());
+        };
+        if current.identifier != identifier || current.tcp == tcp {
+            return Ok(());
+        }
+        let mut record = current.clone();
+        record.tcp = tcp;
+        self.journal.write(&record)?;
+        records.insert(volume.to_owned(), record);
         Ok(())
     }
 
     /// Forgets the volume, journal first.
     pub(crate) fn forget(&self, volume: &str) -> Result<(), NodeError> {
-        self.journal.remove(volume)?;
         let mut records = lock(&self.records);
+        self.journal.remove(volume)?;
         records.remove(volume);
         self.metrics.volumes.set(records.len() as i64);
         drop(records);
@@ -145,6 +198,57 @@ impl Node {
             .filter(|l| matches!(l, Link::Down { .. }))
             .count();
         self.metrics.links_down.set(down as i64);
+    }
+
+    pub(crate) fn is_detaching(&self, volume: &str) -> bool {
+        lock(&self.detaching).contains(volume)
+    }
+
+    /// DISCONNECT of `volume`'s device, proven again under the link lock so the healer can
+    /// neither race it nor reconnect the device afterwards; then waits until the kernel has
+    /// let the device go. The caller has unmounted and flushed: DISCONNECT fails I/O in flight.
+    pub(crate) async fn disconnect(
+        &self,
+        volume: &str,
+        device: &ProvenDevice,
+    ) -> Result<(), NodeError> {
+        let result = async {
+            let _link = self.link_locks.lock(volume).await;
+            lock(&self.detaching).insert(volume.to_owned());
+            let device = self.sysfs.prove(device.index(), device.identifier())?;
+            self.nl.disconnect(&device).await?;
+            Ok::<_, NodeError>(device.index())
+        }
+        .await;
+        let result = match result {
+            Ok(index) => nbd::attach::wait_released(&self.sysfs, index, RELEASE_TIMEOUT)
+                .await
+                .map_err(NodeError::from),
+            Err(e) => Err(e),
+        };
+        lock(&self.detaching).remove(volume);
+        result
+    }
+
+    /// Puts the `none` I/O scheduler back on a device of ours where someone changed it: with
+    /// another scheduler, kernels before 6.14 can send a request header twice and drop the
+    /// link ("Double reply"). Returns the scheduler found, if it was not `none`.
+    pub(crate) fn keep_scheduler(&self, record: &Record) -> Option<String> {
+        let device = self.proven_device(record).ok().flatten()?;
+        let found = self.sysfs.scheduler(device.index()).ok()?;
+        if found == "none" {
+            return None;
+        }
+        match self.sysfs.set_scheduler(device.index(), "none") {
+            Ok(()) => {
+                tracing::warn!(volume = %record.volume_id, device = %device.index(), %found, "I/O scheduler was changed; set back to none")
+            }
+            Err(e) => {
+                tracing::warn!(volume = %record.volume_id, device = %device.index(), %found, error = %e, "I/O scheduler was changed and cannot be set back to none")
+            }
+        }
+        self.metrics.scheduler_reset.inc();
+        Some(found)
     }
 
     pub(crate) fn attach_options(&self, identifier: BackendId, export: &Export) -> AttachOptions {
@@ -190,9 +294,18 @@ pub(crate) fn export_uri(export: &Export) -> Result<NbdUri, NodeError> {
     })
 }
 
-/// Runs slow blocking work (mkfs, resize, blkid) without stalling the runtime's other tasks.
-pub(crate) fn blocking<T>(f: impl FnOnce() -> T) -> T {
-    tokio::task::block_in_place(f)
+/// Runs work that can block on a device (mount, umount, fsync, O_DIRECT I/O, mkfs, resize,
+/// blkid) on tokio's blocking pool, never on a runtime worker: while an export is down such
+/// a call may wait for minutes, and the workers must keep serving other volumes, Probe and
+/// the healer. Dropping the future leaves the work to finish on its own thread.
+pub(crate) async fn off_runtime<T, F>(what: &'static str, f: F) -> Result<T, NodeError>
+where
+    T: Send + 'static,
+    F: FnOnce() -> Result<T, NodeError> + Send + 'static,
+{
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| NodeError::Internal(format!("{what}: worker thread failed: {e}")))?
 }
 
 /// Major and minor numbers of a block device node.
@@ -209,7 +322,8 @@ pub(crate) fn device_numbers(path: &Path) -> Option<(u32, u32)> {
     ))
 }
 
-/// Flushes what the page cache holds for a raw block device down to the export.
+/// Flushes what the page cache holds for a raw block device down to the export. Blocks
+/// while the link is down: call it through [`off_runtime`].
 pub(crate) fn flush_device(path: &Path) -> Result<(), NodeError> {
     std::fs::OpenOptions::new()
         .read(true)

@@ -29,6 +29,14 @@ pub struct Record {
     pub size_bytes: Option<u64>,
     /// Publish targets, by path.
     pub targets: BTreeMap<PathBuf, Target>,
+    /// The UUID given to mkfs, journaled before it runs: an interrupted format is redone
+    /// only over a filesystem that carries exactly this UUID.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fs_uuid: Option<String>,
+    /// Rebuilt from kernel facts after its journal entry was lost: the staging path and
+    /// access were inferred, and the CO's word replaces them at the next call.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub rebuilt: bool,
     /// The device's TCP connections as last known (empty for unix-socket exports): what lets a
     /// later daemon abort them by address when they must be replaced.
     #[serde(default)]
@@ -39,6 +47,11 @@ pub struct Record {
 pub struct TcpConnection {
     pub local: std::net::SocketAddr,
     pub peer: std::net::SocketAddr,
+    /// The socket's inode when it was handed to the kernel: with the address pair, what
+    /// proves a connection found later is still the device's (a port can be reused by
+    /// another process's connection to the same server). `None` in records of older versions.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inode: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -61,6 +74,17 @@ pub enum Access {
 impl Access {
     pub fn is_block(&self) -> bool {
         matches!(self, Access::Block)
+    }
+}
+
+/// For messages and logs: the kind and filesystem, never the mount flags (they may carry
+/// secrets).
+impl std::fmt::Display for Access {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Access::Block => f.write_str("raw block"),
+            Access::Mount { fs, .. } => write!(f, "{fs} filesystem"),
+        }
     }
 }
 
@@ -112,7 +136,8 @@ pub enum Phase {
     Attaching,
     /// The device exists and carries the identifier.
     Attached,
-    /// mkfs may have started on a device that was blank before it: safe to run again.
+    /// mkfs with the journaled `fs_uuid` may have started on a device that was blank before
+    /// it: redone only over a filesystem with that UUID.
     Formatting,
     /// The staging mount may or may not exist.
     Mounting,
@@ -144,6 +169,12 @@ impl Record {
         self.device.map(nbd::DeviceIndex)
     }
 
+    /// Whether the staging path and capability were inferred from kernel facts (the journal
+    /// entry was lost) rather than told by the CO.
+    pub fn inferred(&self) -> bool {
+        self.rebuilt || self.export.is_none()
+    }
+
     pub fn is_staging_path(&self, path: &Path) -> bool {
         self.staging_path.as_deref() == Some(path)
     }
@@ -157,6 +188,16 @@ impl Record {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn access_is_shown_without_its_mount_flags() {
+        let a = Access::Mount {
+            fs: "ext4".into(),
+            flags: vec!["password=hunter2".into()],
+        };
+        assert_eq!(a.to_string(), "ext4 filesystem");
+        assert_eq!(Access::Block.to_string(), "raw block");
+    }
 
     #[test]
     fn json_shape_is_stable() {
@@ -186,9 +227,12 @@ mod tests {
             phase: Phase::Expanding { to_bytes: 1 << 30 },
             size_bytes: Some(1 << 29),
             targets,
+            fs_uuid: Some("0b5e1f3c-9a7d-4e2b-8c61-d2f0a4b7e913".into()),
+            rebuilt: false,
             tcp: vec![TcpConnection {
                 local: "10.0.0.1:40000".parse().unwrap(),
                 peer: "10.0.0.2:10809".parse().unwrap(),
+                inode: Some(4242),
             }],
         };
         let json = serde_json::to_value(&r).unwrap();

@@ -10,13 +10,15 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
 
 use mounts::MountTable;
 use serde::Serialize;
 
 use crate::error::NodeError;
 use crate::ids::Identifier;
-use crate::node::{device_numbers, identifier, Node};
+use crate::node::{device_numbers, identifier, off_runtime, Node};
 use crate::record::{Access, AccessMode, Phase, Record, Target, TargetPhase, SCHEMA};
 use crate::volumes::publish::release_target;
 
@@ -35,9 +37,16 @@ pub struct Report {
 
 pub const REPORT_FILE: &str = "recovery.json";
 
-pub async fn recover(node: &Node) -> Result<Report, NodeError> {
+/// How long start-up waits for the volumes' reconciliation before it declares the daemon
+/// ready. A volume whose step waits on an unreachable export (an unmount flushing to it)
+/// goes on in the background, holding its lock, so only that volume's calls are ABORTED.
+const RECONCILE_PATIENCE: Duration = Duration::from_secs(20);
+
+/// Loads the journal into memory, so that the healer knows every device before recovery
+/// does any device I/O (which a link that died while the daemon was down would stall).
+pub fn load(node: &Node) -> Result<Report, NodeError> {
     let loaded = node.journal.load()?;
-    let mut report = Report {
+    let report = Report {
         records: loaded.records.len(),
         quarantined: loaded
             .quarantined
@@ -49,12 +58,45 @@ pub async fn recover(node: &Node) -> Result<Report, NodeError> {
     for record in loaded.records {
         node.adopt(record);
     }
-    for record in node.records() {
-        let volume = record.volume_id.clone();
-        let _guard = node.locks.lock(&volume).await;
-        if let Err(e) = recover_one(node, record, &mut report).await {
-            tracing::error!(%volume, error = %e, "could not reconcile");
-            report.unreconciled.push(format!("{volume}: {e}"));
+    Ok(report)
+}
+
+/// Finishes or rolls back what each record says was under way, every volume at once, then
+/// rebuilds records for devices the journal lost, writes the report and declares ready.
+pub async fn reconcile(node: &Arc<Node>, mut report: Report) -> Result<Report, NodeError> {
+    let deadline = tokio::time::Instant::now() + RECONCILE_PATIENCE;
+    let tasks: Vec<_> = node
+        .records()
+        .into_iter()
+        .map(|record| {
+            let node = Arc::clone(node);
+            let volume = record.volume_id.clone();
+            let phase = record.phase;
+            let task = tokio::spawn(async move {
+                let _guard = node.locks.lock(&record.volume_id).await;
+                let mut part = Report::default();
+                let volume = record.volume_id.clone();
+                if let Err(e) = recover_one(&node, record, &mut part).await {
+                    tracing::error!(%volume, error = %e, "could not reconcile");
+                    part.unreconciled.push(format!("{volume}: {e}"));
+                }
+                part
+            });
+            (volume, phase, task)
+        })
+        .collect();
+    for (volume, phase, mut task) in tasks {
+        match tokio::time::timeout_at(deadline, &mut task).await {
+            Ok(Ok(part)) => report.merge(part),
+            Ok(Err(e)) => report
+                .unreconciled
+                .push(format!("{volume}: reconciliation failed: {e}")),
+            Err(_) => {
+                tracing::warn!(%volume, ?phase, "reconciliation is still waiting on the device; going on in the background");
+                report.waiting.push(format!(
+                    "{volume}: still finishing {phase:?} (is its export reachable?); its calls are ABORTED until then"
+                ));
+            }
         }
     }
     if let Err(e) = rebuild_lost(node, &mut report) {
@@ -70,6 +112,18 @@ pub async fn recover(node: &Node) -> Result<Report, NodeError> {
     Ok(report)
 }
 
+impl Report {
+    fn merge(&mut self, other: Report) {
+        self.finished.extend(other.finished);
+        self.rolled_back.extend(other.rolled_back);
+        self.repaired.extend(other.repaired);
+        self.waiting.extend(other.waiting);
+        self.rebuilt.extend(other.rebuilt);
+        self.quarantined.extend(other.quarantined);
+        self.unreconciled.extend(other.unreconciled);
+    }
+}
+
 async fn recover_one(
     node: &Node,
     mut record: Record,
@@ -83,7 +137,8 @@ async fn recover_one(
         .map(|(p, _)| p.clone())
         .collect();
     for target in unpublishing {
-        release_target(&target, record.access.is_block())?;
+        let (path, block) = (target.clone(), record.access.is_block());
+        off_runtime("unmount", move || release_target(&path, block)).await?;
         record.targets.remove(&target);
         node.save(&record)?;
         report
@@ -125,12 +180,16 @@ async fn recover_one(
                 .finished
                 .push(format!("{volume}: expansion to {to_bytes} bytes"));
         }
-        Phase::Staged => recover_staged(node, record, report)?,
+        Phase::Staged => recover_staged(node, record, report).await?,
     }
     Ok(())
 }
 
-fn recover_staged(node: &Node, mut record: Record, report: &mut Report) -> Result<(), NodeError> {
+async fn recover_staged(
+    node: &Node,
+    mut record: Record,
+    report: &mut Report,
+) -> Result<(), NodeError> {
     let volume = record.volume_id.clone();
     let Some(device) = node.proven_device(&record)? else {
         report.waiting.push(format!(
@@ -147,21 +206,15 @@ fn recover_staged(node: &Node, mut record: Record, report: &mut Report) -> Resul
         record.device = Some(device.index().0);
         node.save(&record)?;
     }
-    if let (Access::Mount { fs, flags }, Some(staging)) = (&record.access, &record.staging_path) {
-        let dev = node.sysfs.dev_path(device.index());
-        if !node.mounted_from(&dev, staging)? {
-            let mut opts = mounts::MountOptions::parse(flags)?;
-            if record.mode.read_only() {
-                opts.flags |= nix::mount::MsFlags::MS_RDONLY;
-            }
-            std::fs::create_dir_all(staging)
-                .map_err(|e| NodeError::Internal(format!("creating {}: {e}", staging.display())))?;
-            mounts::ops::mount_filesystem(&dev, staging, fs, &opts)?;
-            report.repaired.push(format!(
-                "{volume}: staging mount at {} restored",
-                staging.display()
-            ));
-        }
+    if record.staging_path.is_some() && node.mount_staging(&record, device.index()).await? {
+        report.repaired.push(format!(
+            "{volume}: staging mount at {} restored",
+            record
+                .staging_path
+                .as_deref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default()
+        ));
     }
     Ok(())
 }
@@ -233,6 +286,8 @@ fn rebuild_lost(node: &Node, report: &mut Report) -> Result<(), NodeError> {
             mode: AccessMode::SingleNodeWriter,
             phase: Phase::Staged,
             size_bytes: node.sysfs.size_bytes(index).ok(),
+            fs_uuid: None,
+            rebuilt: true,
             targets: targets
                 .into_iter()
                 .map(|(p, read_only)| {

@@ -107,6 +107,21 @@ pub fn abs_path(field: &str, raw: &str) -> Result<PathBuf, NodeError> {
     Ok(path.components().collect())
 }
 
+/// `path` with its directory resolved through symlinks (the last component is kept, since
+/// the plugin may be about to create it). kubelet's directory may be a symlink (a
+/// `/var/lib/kubelet` moved to a data disk) while the mount table shows resolved paths:
+/// comparing unresolved paths would stack mounts and take our own mounts for foreign ones.
+/// A directory that does not exist yet is left as given.
+pub fn resolved(path: PathBuf) -> PathBuf {
+    let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
+        return path;
+    };
+    match std::fs::canonicalize(parent) {
+        Ok(real) => real.join(name),
+        Err(_) => path,
+    }
+}
+
 /// The export to attach: `nbdUri` from the publish context, else the volume context.
 pub fn export(
     publish_context: &HashMap<String, String>,
@@ -201,7 +216,7 @@ mod tests {
             (Access::Block, AccessMode::MultiNodeMultiWriter)
         );
         assert!(capability(Some(&cap(mount("xfs", &[]), Mode::SingleNodeSingleWriter))).is_ok());
-        assert!(capability(Some(&cap(block(), Mode::SingleNodeWriter))).is_ok());
+        assert!(capability(Some(&cap(block(), Mode::SingleNodeSingleWriter))).is_ok());
     }
 
     #[test]
@@ -229,6 +244,14 @@ mod tests {
                 "MULTI_NODE_SINGLE_WRITER",
             ),
             (Some(cap(block(), Mode::Unknown)), "access_mode is required"),
+            (
+                Some(cap(block(), Mode::SingleNodeWriter)),
+                "use ReadWriteOncePod",
+            ),
+            (
+                Some(cap(block(), Mode::MultiNodeReaderOnly)),
+                "use ReadWriteOncePod",
+            ),
             (Some(cap(None, Mode::SingleNodeWriter)), "access_type"),
         ];
         for (c, want) in refused {
@@ -238,6 +261,26 @@ mod tests {
                 "{err} !~ {want}"
             );
         }
+    }
+
+    #[test]
+    fn paths_are_resolved_through_symlinked_directories() {
+        let dir = tempfile::tempdir().unwrap();
+        let real = dir.path().join("real-kubelet");
+        std::fs::create_dir_all(real.join("pods")).unwrap();
+        std::os::unix::fs::symlink(&real, dir.path().join("kubelet")).unwrap();
+        let real = std::fs::canonicalize(&real).unwrap();
+        assert_eq!(
+            resolved(dir.path().join("kubelet/pods/target")),
+            real.join("pods/target")
+        );
+        // A symlink as the last component is kept: it is not followed into somewhere else.
+        assert_eq!(
+            resolved(dir.path().join("kubelet")).file_name().unwrap(),
+            "kubelet"
+        );
+        let missing = dir.path().join("nowhere/x");
+        assert_eq!(resolved(missing.clone()), missing);
     }
 
     #[test]

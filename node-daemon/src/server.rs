@@ -52,7 +52,13 @@ pub async fn run(settings: Settings) -> Result<()> {
     tracing::info!(socket = %settings.csi_socket.display(), node_id = %settings.node_id, "serving CSI; recovering");
 
     let started = std::time::Instant::now();
-    let report = recovery::recover(&node).await?;
+    // The healer runs before recovery touches any device: a link that died while the daemon
+    // was down would otherwise stall recovery's first unmount or read until I/O fails.
+    let report = recovery::load(&node)?;
+    let healer = Arc::new(Healer::default());
+    let healing = Arc::clone(&healer).spawn(Arc::clone(&node), events);
+    healer.refresh_all(&node);
+    let report = recovery::reconcile(&node, report).await?;
     tracing::info!(
         records = report.records,
         finished = report.finished.len(),
@@ -76,9 +82,6 @@ pub async fn run(settings: Settings) -> Result<()> {
             }
         });
     }
-    let healer = Arc::new(Healer::default());
-    let healing = Arc::clone(&healer).spawn(Arc::clone(&node), events);
-    healer.refresh_all(&node);
 
     let mut sockets = vec![settings.csi_socket.clone()];
     let registration = match &settings.registration_dir {

@@ -15,7 +15,7 @@ use crate::config::TOPOLOGY_KEY;
 use crate::error::NodeError;
 use crate::ids::VolumeId;
 use crate::node::Node;
-use crate::request::{abs_path, capability, export, has_export};
+use crate::request::{abs_path, capability, export, has_export, resolved};
 use crate::volumes::{ExpandRequest, PublishRequest, StageRequest, Usage};
 
 #[derive(Debug)]
@@ -83,7 +83,7 @@ impl NodeApi for NodeService {
         self.call("NodeStageVolume", &r.volume_id, async {
             let req = StageRequest {
                 volume: VolumeId::parse(&r.volume_id)?,
-                staging_path: abs_path("staging_target_path", &r.staging_target_path)?,
+                staging_path: resolved(abs_path("staging_target_path", &r.staging_target_path)?),
                 capability: capability(r.volume_capability.as_ref())?,
                 export: export(&r.publish_context, &r.volume_context)?,
             };
@@ -102,7 +102,7 @@ impl NodeApi for NodeService {
         let r = request.into_inner();
         self.call("NodeUnstageVolume", &r.volume_id, async {
             let volume = VolumeId::parse(&r.volume_id)?;
-            let staging = abs_path("staging_target_path", &r.staging_target_path)?;
+            let staging = resolved(abs_path("staging_target_path", &r.staging_target_path)?);
             self.node
                 .unstage(&volume, &staging)
                 .await
@@ -119,8 +119,8 @@ impl NodeApi for NodeService {
         self.call("NodePublishVolume", &r.volume_id, async {
             let req = PublishRequest {
                 volume: VolumeId::parse(&r.volume_id)?,
-                staging_path: abs_path("staging_target_path", &r.staging_target_path)?,
-                target: abs_path("target_path", &r.target_path)?,
+                staging_path: resolved(abs_path("staging_target_path", &r.staging_target_path)?),
+                target: resolved(abs_path("target_path", &r.target_path)?),
                 capability: capability(r.volume_capability.as_ref())?,
                 read_only: r.readonly,
                 export: if has_export(&r.publish_context, &r.volume_context) {
@@ -144,7 +144,7 @@ impl NodeApi for NodeService {
         let r = request.into_inner();
         self.call("NodeUnpublishVolume", &r.volume_id, async {
             let volume = VolumeId::parse(&r.volume_id)?;
-            let target = abs_path("target_path", &r.target_path)?;
+            let target = resolved(abs_path("target_path", &r.target_path)?);
             self.node
                 .unpublish(&volume, &target)
                 .await
@@ -160,7 +160,9 @@ impl NodeApi for NodeService {
         let r = request.into_inner();
         self.call("NodeGetVolumeStats", &r.volume_id, async {
             let volume = VolumeId::parse(&r.volume_id)?;
-            let path = abs_path("volume_path", &r.volume_path)?;
+            // An unknown volume is NOT_FOUND whatever else is wrong with the request.
+            self.node.require_known(&volume)?;
+            let path = resolved(abs_path("volume_path", &r.volume_path)?);
             let stats = self.node.stats(&volume, &path)?;
             let usage = match stats.usage {
                 Usage::Filesystem(u) => vec![
@@ -210,9 +212,11 @@ impl NodeApi for NodeService {
             if let Some(cap) = r.volume_capability.as_ref() {
                 capability(Some(cap))?;
             }
+            let volume = VolumeId::parse(&r.volume_id)?;
+            self.node.require_known(&volume)?;
             let req = ExpandRequest {
-                volume: VolumeId::parse(&r.volume_id)?,
-                volume_path: abs_path("volume_path", &r.volume_path)?,
+                volume,
+                volume_path: resolved(abs_path("volume_path", &r.volume_path)?),
                 required_bytes: required.filter(|b| *b > 0).map(|b| b as u64),
             };
             let bytes = self.node.expand(req).await?;

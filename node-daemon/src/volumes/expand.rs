@@ -2,6 +2,12 @@
 //! the filesystem follow. The filesystem is grown through the staging path recorded in the
 //! journal, never through the path the call names: the old product expanded through the pod's
 //! path after a restart and then could never unstage (its v0.2.2 fix).
+//!
+//! The device announces a new size only once its connections can serve it: NBD servers fix an
+//! export's size per connection, so the connections are replaced first (see
+//! `connections.rs`). Where they cannot be (a unix-socket export attached before a restart),
+//! a resize the old connections do not serve is undone, so the device is left as it was and
+//! never claims space whose I/O fails.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -13,7 +19,7 @@ use nbd::sysfs::ProvenDevice;
 use crate::connections;
 use crate::error::NodeError;
 use crate::ids::VolumeId;
-use crate::node::{blocking, export_uri, Node};
+use crate::node::{export_uri, off_runtime, Node};
 use crate::record::{Access, Phase, Record};
 use crate::volumes::stage::staging_path;
 
@@ -63,6 +69,11 @@ impl Node {
                 )));
             }
         }
+        let device = self.proven_device(&record)?.ok_or_else(|| {
+            NodeError::FailedPrecondition(format!("device of volume {} is gone", record.volume_id))
+        })?;
+        let current = self.sysfs.size_bytes(device.index())?;
+        refuse_shrink(&record.volume_id, current, info.size)?;
         record.phase = Phase::Expanding {
             to_bytes: info.size,
         };
@@ -79,74 +90,127 @@ impl Node {
             NodeError::FailedPrecondition(format!("device of volume {} is gone", record.volume_id))
         })?;
         let index = device.index();
-        if self.sysfs.size_bytes(index)? != to_bytes {
-            self.nl
-                .reconfigure(&ReconfigureRequest {
-                    index,
-                    identifier: device.identifier(),
-                    sockets: &[],
-                    size_bytes: Some(to_bytes),
-                    dead_conn_timeout: None,
-                })
-                .await?;
-            self.sysfs
-                .wait_ready(index, to_bytes, Duration::from_secs(10))
-                .await?;
-        }
         let dev = self.sysfs.dev_path(index);
-        if !blocking(|| connections::serves_size(&dev, to_bytes)) {
-            self.replace_connections(&mut record, &device).await?;
+        let current = self.sysfs.size_bytes(index)?;
+        if let Err(e) = refuse_shrink(&record.volume_id, current, to_bytes) {
+            self.end_expansion(&mut record, current)?;
+            return Err(e);
+        }
+        if current != to_bytes {
+            if !self.record_tcp(&record).is_empty() {
+                self.replace_connections(&record, &device, current).await?;
+            }
+            self.resize(&record.volume_id, &device, to_bytes).await?;
+        }
+        let dev_probe = dev.clone();
+        let served = off_runtime("read the new end", move || {
+            Ok(connections::serves_size(&dev_probe, to_bytes))
+        })
+        .await?;
+        if !served {
+            // Connections this daemon could not replace: put the old size back (or the
+            // journaled one, after a crash between resize and this check).
+            let old = if current != to_bytes {
+                current
+            } else {
+                record.size_bytes.unwrap_or(current)
+            };
+            self.resize(&record.volume_id, &device, old).await?;
+            self.end_expansion(&mut record, old)?;
+            return Err(NodeError::FailedPrecondition(format!(
+                "the export of volume {} serves its new size only on new connections, and this daemon cannot replace \
+                 the device's existing ones (a unix-socket export attached before a restart); the device keeps its \
+                 old size of {old} bytes: restart the pod to restage the volume",
+                record.volume_id
+            )));
         }
         fail::fail_point!("expand-after-resize");
         if let Access::Mount { fs, .. } = &record.access {
             let fs: Filesystem = fs.parse()?;
             let staging = staging_path(&record)?.to_owned();
-            blocking(|| mounts::format::grow(fs, &dev, &staging))?;
+            off_runtime("grow", move || {
+                Ok(mounts::format::grow(fs, &dev, &staging)?)
+            })
+            .await?;
         }
         fail::fail_point!("expand-after-grow");
         tracing::info!(volume = %record.volume_id, device = %index, bytes = to_bytes, "expanded");
-        record.size_bytes = Some(to_bytes);
-        record.phase = Phase::Staged;
-        self.save(&record)?;
+        self.end_expansion(&mut record, to_bytes)?;
         Ok(to_bytes)
     }
 
+    fn end_expansion(&self, record: &mut Record, size: u64) -> Result<(), NodeError> {
+        record.size_bytes = Some(size);
+        record.phase = Phase::Staged;
+        self.save(record)
+    }
+
+    fn record_tcp(&self, record: &Record) -> Vec<crate::record::TcpConnection> {
+        self.record(&record.volume_id)
+            .map(|r| r.tcp)
+            .unwrap_or_default()
+    }
+
+    /// RECONFIGURE to `bytes`, under the link lock, and wait until the kernel shows it.
+    async fn resize(
+        &self,
+        volume: &str,
+        device: &ProvenDevice,
+        bytes: u64,
+    ) -> Result<(), NodeError> {
+        let index = device.index();
+        if self.sysfs.size_bytes(index)? == bytes {
+            return Ok(());
+        }
+        {
+            let _link = self.link_locks.lock(volume).await;
+            self.nl
+                .reconfigure(&ReconfigureRequest {
+                    index,
+                    identifier: device.identifier(),
+                    sockets: &[],
+                    size_bytes: Some(bytes),
+                    dead_conn_timeout: None,
+                })
+                .await?;
+        }
+        self.sysfs
+            .wait_ready(index, bytes, Duration::from_secs(10))
+            .await?;
+        Ok(())
+    }
+
     /// The server serves each connection the size it had at the handshake: abort the device's
-    /// connections and give it new ones, until the device reads its new last block.
+    /// connections and give it new ones, before the device announces the new size. Done when
+    /// none of the old connections is open and the device reads its current last block over
+    /// the new ones.
     async fn replace_connections(
         &self,
-        record: &mut Record,
+        record: &Record,
         device: &ProvenDevice,
+        current: u64,
     ) -> Result<(), NodeError> {
-        if record.tcp.is_empty() {
-            return Err(NodeError::FailedPrecondition(format!(
-                "the export of volume {} refuses I/O beyond its old size on the device's existing connections, \
-                 and this daemon knows no TCP connection of it to replace (unix-socket export, or attached \
-                 before an interrupted start); restart the pod to restage the volume",
-                record.volume_id
-            )));
-        }
-        let aborted = connections::abort_all(&record.tcp)?;
+        let old = self.record_tcp(record);
+        let aborted = connections::abort_all(&old)?;
         tracing::info!(volume = %record.volume_id, aborted, "replacing connections so the server serves the new size");
         let dev = self.sysfs.dev_path(device.index());
-        let size = record.size_bytes.unwrap_or_default();
         let until = connections::deadline();
         loop {
             // The kernel notices the aborts asynchronously; sockets offered before a slot is
-            // dead are dropped, so offer again until the device serves the new size.
+            // dead are dropped, so offer again until every old connection is gone.
             if let Err(e) = connections::offer_new_connections(self, record, device).await {
                 tracing::debug!(error = %e, "reconnect while replacing connections");
             }
-            if let Phase::Expanding { to_bytes } = record.phase {
-                if blocking(|| connections::serves_size(&dev, to_bytes)) {
-                    self.save(record)?;
+            let live = self.record_tcp(record);
+            if !old.iter().any(|c| live.contains(c)) {
+                let dev = dev.clone();
+                if off_runtime("read", move || Ok(connections::serves_size(&dev, current))).await? {
                     return Ok(());
                 }
             }
             if std::time::Instant::now() > until {
-                self.save(record)?;
                 return Err(NodeError::Unavailable(format!(
-                    "could not give volume {} new connections within {:?} (size {size})",
+                    "could not give volume {} new connections within {:?}; its size is unchanged",
                     record.volume_id,
                     connections::REPLACE_WITHIN
                 )));
@@ -154,4 +218,16 @@ impl Node {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
+}
+
+/// NodeExpand never shrinks a device: a smaller export is a mistake somewhere else (a wrong
+/// image, a restore into a smaller volume), and a shrunk device cuts the filesystem short.
+fn refuse_shrink(volume: &str, current: u64, export: u64) -> Result<(), NodeError> {
+    if export < current {
+        return Err(NodeError::FailedPrecondition(format!(
+            "the export of volume {volume} reports {export} bytes, less than the device's {current}: \
+             refusing to shrink it (volumes only grow)"
+        )));
+    }
+    Ok(())
 }

@@ -7,7 +7,7 @@ use mounts::MountTable;
 
 use crate::error::NodeError;
 use crate::ids::{Identifier, VolumeId};
-use crate::node::{device_numbers, Node};
+use crate::node::{device_numbers, off_runtime, Node};
 use crate::record::{Access, Export, Phase, Record, Target, TargetPhase};
 use crate::request::Capability;
 use crate::volumes::stage::staging_path;
@@ -43,8 +43,13 @@ impl Node {
                 req.volume, record.phase
             )));
         }
-        if record.staging_path.is_none() {
-            record.staging_path = Some(req.staging_path.clone());
+        if record.inferred() {
+            // Rebuilt from kernel facts: take the CO's word for paths, capability and export.
+            self.adopt_co_view(&mut record, &req.staging_path, &req.capability)?;
+            if record.export.is_none() {
+                record.export = req.export.clone();
+                self.save(&record)?;
+            }
         }
         if !record.is_staging_path(&req.staging_path) {
             return Err(NodeError::FailedPrecondition(format!(
@@ -54,15 +59,9 @@ impl Node {
                 req.staging_path.display()
             )));
         }
-        if record.export.is_none() {
-            // Rebuilt from kernel facts: take the CO's word for capability and export.
-            record.access = req.capability.access.clone();
-            record.mode = req.capability.mode;
-            record.export = req.export.clone();
-        }
         if record.access != req.capability.access || record.mode != req.capability.mode {
             return Err(NodeError::InvalidArgument(format!(
-                "volume {} was staged with another capability ({:?} {:?})",
+                "volume {} was staged with another capability ({}, {:?})",
                 req.volume, record.access, record.mode
             )));
         }
@@ -84,6 +83,17 @@ impl Node {
                 record.mode,
                 crate::node::paths(&record.targets)
             )));
+        } else if record.access.is_block()
+            && record.targets.values().any(|t| t.read_only != read_only)
+        {
+            // A block device is read-only for all its users or for none: a read-only bind
+            // of a device node does not stop writes to the device.
+            return Err(NodeError::FailedPrecondition(format!(
+                "volume {} is published on this node {} at {}; a raw block volume cannot be read-only for one pod and writable for another",
+                req.volume,
+                if read_only { "writable" } else { "read-only" },
+                crate::node::paths(&record.targets)
+            )));
         }
 
         record.targets.insert(
@@ -95,7 +105,7 @@ impl Node {
         );
         self.save(&record)?;
         fail::fail_point!("publish-after-journal");
-        self.bind_target(&record, &req.target, read_only)?;
+        self.bind_target(&record, &req.target, read_only).await?;
         fail::fail_point!("publish-after-mount");
         if let Some(t) = record.targets.get_mut(&req.target) {
             t.phase = TargetPhase::Published;
@@ -103,17 +113,33 @@ impl Node {
         self.save(&record)
     }
 
-    /// Makes `target` show the volume, unless it already does.
-    fn bind_target(
+    /// Makes `target` show the volume, unless it already does. A filesystem is bound only
+    /// from a staging path that has it mounted (mounted again here if it was lost): binding
+    /// the bare directory would let the pod write into the node's root filesystem.
+    async fn bind_target(
         &self,
         record: &Record,
         target: &Path,
         read_only: bool,
     ) -> Result<(), NodeError> {
         let device = self.proven_device(record)?.ok_or_else(|| {
-            NodeError::FailedPrecondition(format!("device of volume {} is gone", record.volume_id))
+            NodeError::FailedPrecondition(format!(
+                "device of volume {} is gone: NodeStageVolume must attach it again",
+                record.volume_id
+            ))
         })?;
         let dev = self.sysfs.dev_path(device.index());
+        if self.mount_staging(record, device.index()).await? {
+            tracing::warn!(volume = %record.volume_id, "staging mount was gone; mounted it again before publishing");
+        }
+        if record.access.is_block() {
+            let ro = read_only || record.mode.read_only();
+            let dev = dev.clone();
+            off_runtime("set read-only", move || {
+                crate::blockdev::set_read_only(&dev, ro)
+            })
+            .await?;
+        }
         let table = MountTable::read()?;
         let already = match &record.access {
             Access::Block => table
@@ -134,27 +160,34 @@ impl Node {
                 target.display()
             )));
         }
+        let target = target.to_owned();
         match &record.access {
             Access::Block => {
-                // Kubelet creates the parent; the plugin creates the file the device is bound onto.
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .truncate(false)
-                    .write(true)
-                    .open(target)
-                    .map_err(|e| {
-                        NodeError::Internal(format!("creating {}: {e}", target.display()))
-                    })?;
-                mounts::ops::bind(&dev, target, read_only)?;
+                off_runtime("bind mount", move || {
+                    // Kubelet creates the parent; the plugin creates the file the device is bound onto.
+                    std::fs::OpenOptions::new()
+                        .create(true)
+                        .truncate(false)
+                        .write(true)
+                        .open(&target)
+                        .map_err(|e| {
+                            NodeError::Internal(format!("creating {}: {e}", target.display()))
+                        })?;
+                    Ok(mounts::ops::bind(&dev, &target, read_only)?)
+                })
+                .await
             }
             Access::Mount { .. } => {
-                std::fs::create_dir_all(target).map_err(|e| {
-                    NodeError::Internal(format!("creating {}: {e}", target.display()))
-                })?;
-                mounts::ops::bind(staging_path(record)?, target, read_only)?;
+                let staging = staging_path(record)?.to_owned();
+                off_runtime("bind mount", move || {
+                    std::fs::create_dir_all(&target).map_err(|e| {
+                        NodeError::Internal(format!("creating {}: {e}", target.display()))
+                    })?;
+                    Ok(mounts::ops::bind(&staging, &target, read_only)?)
+                })
+                .await
             }
         }
-        Ok(())
     }
 
     pub async fn unpublish(&self, volume: &VolumeId, target: &Path) -> Result<(), NodeError> {
@@ -164,23 +197,35 @@ impl Node {
             .lock_within(volume.as_str(), self.settings.call_patience)
             .await?;
         let Some(mut record) = self.record(volume.as_str()) else {
-            return self.unpublish_unknown(volume, target);
+            return self.unpublish_unknown(volume, target).await;
         };
         let Some(entry) = record.targets.get_mut(target) else {
-            return self.unpublish_unknown(volume, target);
+            return self.unpublish_unknown(volume, target).await;
         };
         entry.phase = TargetPhase::Unpublishing;
         self.save(&record)?;
         fail::fail_point!("unpublish-after-journal");
-        release_target(target, record.access.is_block())?;
+        let (path, block) = (target.to_owned(), record.access.is_block());
+        off_runtime("unmount", move || release_target(&path, block)).await?;
         fail::fail_point!("unpublish-after-unmount");
         record.targets.remove(target);
-        self.save(&record)
+        self.save(&record)?;
+        if record.access.is_block() && !record.mode.read_only() && record.targets.is_empty() {
+            // The last pod is gone: the next publish decides read-only afresh.
+            if let Some(device) = self.proven_device(&record)? {
+                let dev = self.sysfs.dev_path(device.index());
+                off_runtime("set read-write", move || {
+                    crate::blockdev::set_read_only(&dev, false)
+                })
+                .await?;
+            }
+        }
+        Ok(())
     }
 
     /// NodeUnpublish of a target the journal does not know: success (the call is idempotent),
     /// after removing a mount there only if it is provably this volume's device.
-    fn unpublish_unknown(&self, volume: &VolumeId, target: &Path) -> Result<(), NodeError> {
+    async fn unpublish_unknown(&self, volume: &VolumeId, target: &Path) -> Result<(), NodeError> {
         let table = MountTable::read()?;
         let Some(mount) = table.at(target).last() else {
             return Ok(());
@@ -203,7 +248,8 @@ impl Node {
             });
         if ours {
             tracing::warn!(%volume, target = %target.display(), "unpublishing a target the journal did not know");
-            release_target(target, mount.fs_type == "devtmpfs")?;
+            let (path, block) = (target.to_owned(), mount.fs_type == "devtmpfs");
+            off_runtime("unmount", move || release_target(&path, block)).await?;
         }
         Ok(())
     }

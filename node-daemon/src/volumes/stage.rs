@@ -2,20 +2,23 @@
 //!
 //! Staging is a sequence of journaled steps (see [`Phase`]): the record is written before each
 //! step, so a call repeated after a crash resumes where the previous one stopped, and an
-//! interrupted step is redone only when redoing it is safe.
+//! interrupted step is redone only when redoing it is safe. A stage that ends in an error the
+//! CO treats as final is undone, since kubelet will never call NodeUnstage for it.
+//!
+//! Every step that can block on the device (probe, mkfs, mount, grow, umount, flush) runs on
+//! the blocking pool (see [`off_runtime`]).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use mounts::{Filesystem, MountOptions, MountTable, Probe};
 use nbd::attach;
+use nbd::DeviceIndex;
 
 use crate::connections::tcp_pairs;
 use crate::error::NodeError;
-use crate::ids::{Identifier, VolumeId};
-use crate::node::{
-    blocking, device_numbers, export_uri, flush_device, identifier, Node, RELEASE_TIMEOUT,
-};
+use crate::ids::{random_uuid, Identifier, VolumeId};
+use crate::node::{device_numbers, export_uri, flush_device, identifier, off_runtime, Node};
 use crate::record::{Access, Export, Phase, Record, TargetPhase, SCHEMA};
 use crate::request::Capability;
 
@@ -46,9 +49,11 @@ impl Node {
             }
             other => other,
         };
+        let was_staged = existing.as_ref().is_some_and(|r| r.phase == Phase::Staged);
         let record = match existing {
             Some(existing) => self.reconcile_stage_request(existing, &req)?,
             None => {
+                self.refuse_shared_export(&req)?;
                 let record = Record {
                     schema: SCHEMA,
                     volume_id: req.volume.as_str().to_owned(),
@@ -63,6 +68,8 @@ impl Node {
                     phase: Phase::Attaching,
                     size_bytes: None,
                     targets: BTreeMap::new(),
+                    fs_uuid: None,
+                    rebuilt: false,
                     tcp: Vec::new(),
                 };
                 self.save(&record)?;
@@ -71,8 +78,13 @@ impl Node {
         };
         let volume = record.volume_id.clone();
         let result = self.run_stage(record).await;
-        if result.is_err() {
-            self.roll_back_failed_attach(&volume)?;
+        if let Err(e) = &result {
+            if !was_staged && e.is_final() {
+                // kubelet takes this answer as final and will never call NodeUnstage.
+                self.undo_failed_stage(&volume, e).await;
+            } else {
+                self.roll_back_failed_attach(&volume)?;
+            }
         }
         result
     }
@@ -88,6 +100,42 @@ impl Node {
         Ok(())
     }
 
+    /// Undoes a stage that ended in a final error: unmounts what it mounted, disconnects the
+    /// proven device, forgets the record. The original error is what the CO is told; an
+    /// undo that fails leaves the record (for the next call or `status`) and is logged.
+    async fn undo_failed_stage(&self, volume: &str, cause: &NodeError) {
+        let Some(mut record) = self.record(volume) else {
+            return;
+        };
+        tracing::warn!(%volume, code = ?cause.code(), "stage failed for good; undoing what it did");
+        record.phase = Phase::Unstaging;
+        let undone = match self.save(&record) {
+            Ok(()) => self.run_unstage(record).await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = undone {
+            tracing::error!(%volume, error = %e, "could not undo a failed stage; NodeStage or NodeUnstage will retry");
+        }
+    }
+
+    /// Two volume ids naming one export (static PVs) must not both be used on this node: two
+    /// mounts of one filesystem from two devices corrupt it, and a filesystem mounted while
+    /// the same disk is written raw elsewhere on the node is no better. One export, one
+    /// volume per node; several nodes share a block volume under one id (live migration).
+    fn refuse_shared_export(&self, req: &StageRequest) -> Result<(), NodeError> {
+        let clash = self.records().into_iter().find(|r| {
+            r.volume_id != req.volume.as_str()
+                && r.export.as_ref().is_some_and(|e| e.uri == req.export.uri)
+        });
+        match clash {
+            Some(other) => Err(NodeError::FailedPrecondition(format!(
+                "export {} is already staged on this node as volume {}; one export can be mounted by one volume at a time",
+                req.export.uri, other.volume_id
+            ))),
+            None => Ok(()),
+        }
+    }
+
     /// Checks a repeated NodeStage against what is staged: same path, capability and export
     /// is the idempotent case; anything else is ALREADY_EXISTS.
     fn reconcile_stage_request(
@@ -95,6 +143,9 @@ impl Node {
         mut record: Record,
         req: &StageRequest,
     ) -> Result<Record, NodeError> {
+        if record.rebuilt {
+            self.adopt_co_view(&mut record, &req.staging_path, &req.capability)?;
+        }
         if let Some(staged) = &record.staging_path {
             if staged != &req.staging_path {
                 return Err(NodeError::AlreadyExists(format!(
@@ -104,14 +155,9 @@ impl Node {
                 )));
             }
         }
-        if record.export.is_none() {
-            // Rebuilt from kernel facts: the CO's capability is better than our inference.
-            record.access = req.capability.access.clone();
-            record.mode = req.capability.mode;
-        }
         if record.access != req.capability.access || record.mode != req.capability.mode {
             return Err(NodeError::AlreadyExists(format!(
-                "volume {} is already staged with another capability ({:?} {:?})",
+                "volume {} is already staged with another capability ({}, {:?})",
                 req.volume, record.access, record.mode
             )));
         }
@@ -126,21 +172,60 @@ impl Node {
             None => {
                 // A record rebuilt from kernel facts learns its export here.
                 record.export = Some(req.export.clone());
-                record.staging_path = Some(req.staging_path.clone());
                 self.save(&record)?;
             }
         }
         Ok(record)
     }
 
+    /// A record rebuilt from kernel facts guessed its staging path and capability; the CO
+    /// knows them. A guessed staging path that is really a pod's mount becomes a target, so
+    /// it is unpublished (not pulled away) before the volume can be unstaged.
+    pub(crate) fn adopt_co_view(
+        &self,
+        record: &mut Record,
+        staging_path: &Path,
+        capability: &Capability,
+    ) -> Result<(), NodeError> {
+        if let Some(guess) = record.staging_path.take() {
+            if guess != staging_path && is_mount_point(&guess)? {
+                record
+                    .targets
+                    .entry(guess)
+                    .or_insert(crate::record::Target {
+                        read_only: false,
+                        phase: TargetPhase::Published,
+                    });
+            }
+        }
+        record.targets.remove(staging_path);
+        record.staging_path = Some(staging_path.to_owned());
+        record.access = capability.access.clone();
+        record.mode = capability.mode;
+        record.rebuilt = false;
+        self.save(record)
+    }
+
     /// Drives a record to `Staged`, one journaled step at a time.
     pub(crate) async fn run_stage(&self, mut record: Record) -> Result<(), NodeError> {
         for _ in 0..MAX_STEPS {
+            if matches!(
+                record.phase,
+                Phase::Attached | Phase::Formatting | Phase::Mounting
+            ) && self.proven_device(&record)?.is_none()
+            {
+                // Node rebooted or the kernel dropped the device mid-stage: attach again, then
+                // probe what the volume holds as if for the first time.
+                tracing::warn!(volume = %record.volume_id, phase = ?record.phase, "device lost mid-stage; attaching again");
+                record.device = None;
+                record.phase = Phase::Attaching;
+                self.save(&record)?;
+            }
             record.phase = match record.phase {
                 Phase::Attaching => self.step_attach(&mut record).await?,
-                Phase::Attached => self.step_probe(&record).await?,
-                Phase::Formatting => self.step_format(&record)?,
-                Phase::Mounting => self.step_mount(&record)?,
+                Phase::Attached => self.step_probe(&mut record).await?,
+                Phase::Formatting => self.step_format(&record).await?,
+                Phase::Mounting => self.step_mount(&record).await?,
                 Phase::Expanding { .. } => return self.run_expand(record).await.map(drop),
                 Phase::Staged => match self.check_staged(&mut record)? {
                     None => return Ok(()),
@@ -177,14 +262,21 @@ impl Node {
             }
             None => {
                 let uri = export_uri(&export)?;
-                let opts = self.attach_options(id, &export);
+                let mut opts = self.attach_options(id, &export);
+                opts.read_only = record.mode.read_only();
                 let dialed = nbd::dial::dial(&uri, &opts.dial).await?;
+                check_export_size(&record.volume_id, dialed.info.size)?;
                 // Written ahead: the connections' addresses are what lets a later daemon replace
                 // them, so they are journaled before the kernel gets the sockets.
-                record.tcp = tcp_pairs(&dialed.sockets);
-                self.save(record)?;
+                self.set_tcp(
+                    &record.volume_id,
+                    &record.identifier,
+                    tcp_pairs(&dialed.sockets),
+                )?;
                 fail::fail_point!("stage-before-connect");
-                let attached = attach::attach_dialed(&self.nl, &self.sysfs, dialed, &opts).await?;
+                let attached = attach::attach_dialed(&self.nl, &self.sysfs, dialed, &opts)
+                    .await
+                    .map_err(no_free_device)?;
                 tracing::info!(
                     volume = %record.volume_id,
                     device = %attached.device.index(),
@@ -200,15 +292,26 @@ impl Node {
         Ok(Phase::Attached)
     }
 
-    /// Decides whether the device needs a filesystem. Never formats anything not blank.
-    async fn step_probe(&self, record: &Record) -> Result<Phase, NodeError> {
+    /// Decides whether the device needs a filesystem. Never formats anything not blank. The
+    /// UUID the new filesystem will carry is chosen here and journaled with `Formatting`.
+    async fn step_probe(&self, record: &mut Record) -> Result<Phase, NodeError> {
         let Access::Mount { fs, .. } = &record.access else {
             return Ok(Phase::Staged);
         };
-        let device = self.require_device(record)?;
-        let dev = self.sysfs.dev_path(device);
-        match blocking(|| mounts::format::probe(&dev))? {
-            Probe::Blank => Ok(Phase::Formatting),
+        let dev = self.sysfs.dev_path(self.require_device(record)?);
+        let probed = off_runtime("probe", move || {
+            crate::blockdev::drop_cache(&dev)?;
+            Ok(mounts::format::probe(&dev)?)
+        });
+        match probed.await? {
+            Probe::Blank if record.mode.read_only() => Err(NodeError::FailedPrecondition(format!(
+                "volume {} holds no filesystem and is staged read-only: nothing to mount",
+                record.volume_id
+            ))),
+            Probe::Blank => {
+                record.fs_uuid = Some(random_uuid()?);
+                Ok(Phase::Formatting)
+            }
             Probe::Filesystem(found) if &found == fs => Ok(Phase::Mounting),
             Probe::Filesystem(found) | Probe::Other(found) => {
                 Err(NodeError::FailedPrecondition(format!(
@@ -219,64 +322,107 @@ impl Node {
         }
     }
 
-    /// mkfs. Reached only for a device found blank; if a previous mkfs was interrupted, the
-    /// partial filesystem it left was never mounted and holds nothing, so it is redone.
-    fn step_format(&self, record: &Record) -> Result<Phase, NodeError> {
+    /// mkfs with the journaled UUID. Reached only for a device found blank; after a crash
+    /// mid-mkfs the format is redone only if the filesystem there carries exactly our UUID.
+    /// Any other filesystem appeared since (the volume was used elsewhere meanwhile) and may
+    /// hold data: refused.
+    async fn step_format(&self, record: &Record) -> Result<Phase, NodeError> {
         let Access::Mount { fs, .. } = &record.access else {
             return Ok(Phase::Staged);
         };
         let fs: Filesystem = fs.parse()?;
-        let device = self.require_device(record)?;
-        let dev = self.sysfs.dev_path(device);
+        let Some(uuid) = record.fs_uuid.clone() else {
+            // A record journaled before UUIDs were: probe again, and format a blank device.
+            return Ok(Phase::Attached);
+        };
+        let dev = self.sysfs.dev_path(self.require_device(record)?);
+        let volume = record.volume_id.clone();
         fail::fail_point!("stage-before-mkfs");
-        blocking(|| {
+        off_runtime("mkfs", move || {
+            crate::blockdev::drop_cache(&dev)?;
             match mounts::format::probe(&dev)? {
-            Probe::Blank => mounts::format::make_filesystem(&dev, fs).map_err(NodeError::from),
-            // What our own interrupted mkfs left: the same type, never mounted, no data.
+            Probe::Blank => Ok(mounts::format::make_filesystem(&dev, fs, &uuid)?),
             Probe::Filesystem(found) if found == fs.name() => {
-                mounts::format::redo_interrupted_format(&dev, fs).map_err(NodeError::from)
+                mounts::format::redo_interrupted_format(&dev, fs, &uuid).map_err(|e| {
+                    NodeError::FailedPrecondition(format!(
+                        "volume {volume}: refusing to format it again: {e}"
+                    ))
+                })
             }
             Probe::Filesystem(found) | Probe::Other(found) => Err(NodeError::FailedPrecondition(format!(
-                "volume {} now holds {found}, which this daemon did not write: refusing to format it",
-                record.volume_id
+                "volume {volume} now holds {found}, which this daemon did not write: refusing to format it"
             ))),
         }
-        })?;
+        })
+        .await?;
         fail::fail_point!("stage-after-mkfs");
         Ok(Phase::Mounting)
     }
 
     /// Mounts the filesystem at the staging path (if not already there) and grows it to the
     /// device: a volume restored into a larger one gets its space here.
-    fn step_mount(&self, record: &Record) -> Result<Phase, NodeError> {
-        let Access::Mount { fs, flags } = &record.access else {
+    async fn step_mount(&self, record: &Record) -> Result<Phase, NodeError> {
+        let Access::Mount { fs, .. } = &record.access else {
             return Ok(Phase::Staged);
         };
         let fs: Filesystem = fs.parse()?;
         let device = self.require_device(record)?;
-        let dev = self.sysfs.dev_path(device);
-        let staging = staging_path(record)?;
-        if !self.mounted_from(&dev, staging)? {
-            let table = MountTable::read()?;
-            if table.is_mount_point(staging) {
-                return Err(NodeError::FailedPrecondition(format!(
-                    "{} already has something else mounted on it",
-                    staging.display()
-                )));
-            }
-            std::fs::create_dir_all(staging)
-                .map_err(|e| NodeError::Internal(format!("creating {}: {e}", staging.display())))?;
-            let mut opts = MountOptions::parse(flags)?;
-            if record.mode.read_only() {
-                opts.flags |= nix::mount::MsFlags::MS_RDONLY;
-            }
-            mounts::ops::mount_filesystem(&dev, staging, fs.name(), &opts)?;
-            fail::fail_point!("stage-after-mount");
-        }
+        self.mount_staging(record, device).await?;
+        fail::fail_point!("stage-after-mount");
         if !record.mode.read_only() {
-            blocking(|| mounts::format::grow(fs, &dev, staging))?;
+            let dev = self.sysfs.dev_path(device);
+            let staging = staging_path(record)?.to_owned();
+            off_runtime("grow", move || {
+                Ok(mounts::format::grow(fs, &dev, &staging)?)
+            })
+            .await?;
         }
         Ok(Phase::Staged)
+    }
+
+    /// Mounts the volume's filesystem at its staging path unless it is already there: the one
+    /// routine of stage, publish and recovery. Returns whether it mounted.
+    pub(crate) async fn mount_staging(
+        &self,
+        record: &Record,
+        device: DeviceIndex,
+    ) -> Result<bool, NodeError> {
+        let Access::Mount { fs, flags } = &record.access else {
+            return Ok(false);
+        };
+        let dev = self.sysfs.dev_path(device);
+        let staging = staging_path(record)?.to_owned();
+        if self.mounted_from(&dev, &staging)? {
+            return Ok(false);
+        }
+        if MountTable::read()?.is_mount_point(&staging) {
+            return Err(NodeError::FailedPrecondition(format!(
+                "{} already has something else mounted on it",
+                staging.display()
+            )));
+        }
+        let fs: Filesystem = fs.parse()?;
+        let mut opts = MountOptions::parse(flags)?;
+        if record.mode.read_only() {
+            opts.flags |= nix::mount::MsFlags::MS_RDONLY;
+        }
+        if fs == Filesystem::Xfs && !opts.data.iter().any(|o| o == "nouuid") {
+            // Clones and restores carry their source's UUID; XFS refuses a second mount of
+            // one UUID unless told not to check.
+            opts.data.push("nouuid".into());
+        }
+        off_runtime("mount", move || {
+            std::fs::create_dir_all(&staging)
+                .map_err(|e| NodeError::Internal(format!("creating {}: {e}", staging.display())))?;
+            Ok(mounts::ops::mount_filesystem(
+                &dev,
+                &staging,
+                fs.name(),
+                &opts,
+            )?)
+        })
+        .await?;
+        Ok(true)
     }
 
     /// For a staged volume: is everything still in place? Returns the phase to go back to
@@ -311,6 +457,13 @@ impl Node {
         let Some(mut record) = self.record(volume.as_str()) else {
             return Ok(());
         };
+        if record.rebuilt {
+            let capability = Capability {
+                access: record.access.clone(),
+                mode: record.mode,
+            };
+            self.adopt_co_view(&mut record, staging_path, &capability)?;
+        }
         if let Some(staged) = &record.staging_path {
             if staged != staging_path {
                 return Err(NodeError::FailedPrecondition(format!(
@@ -320,6 +473,7 @@ impl Node {
                 )));
             }
         }
+        self.drop_stale_targets(&mut record)?;
         let published: BTreeMap<_, _> = record
             .targets
             .iter()
@@ -342,19 +496,45 @@ impl Node {
         self.run_unstage(record).await
     }
 
+    /// Publish targets the journal lists but that nothing is mounted on any more (a reboot,
+    /// kubelet's orphan cleanup) are forgotten: they would block unstage forever.
+    fn drop_stale_targets(&self, record: &mut Record) -> Result<(), NodeError> {
+        let table = MountTable::read()?;
+        let stale: Vec<PathBuf> = record
+            .targets
+            .keys()
+            .filter(|t| !table.is_mount_point(t))
+            .cloned()
+            .collect();
+        if stale.is_empty() {
+            return Ok(());
+        }
+        for t in &stale {
+            tracing::warn!(volume = %record.volume_id, target = %t.display(), "publish target is no longer mounted; forgetting it");
+            record.targets.remove(t);
+        }
+        self.save(record)
+    }
+
     /// Teardown, idempotent: staging unmount, flush, DISCONNECT of the proven device, forget.
+    /// The unmount and flush wait for a dead link to be healed (the healer needs no lock this
+    /// call holds), so dirty data reaches the export before the device goes.
     pub(crate) async fn run_unstage(&self, record: Record) -> Result<(), NodeError> {
         if let (Access::Mount { .. }, Some(staging)) = (&record.access, &record.staging_path) {
-            while mounts::ops::unmount(staging)? {}
+            let staging = staging.clone();
+            off_runtime("unmount", move || {
+                while mounts::ops::unmount(&staging)? {}
+                Ok(())
+            })
+            .await?;
         }
         fail::fail_point!("unstage-after-unmount");
         if let Some(device) = self.proven_device(&record)? {
-            let dev = self.sysfs.dev_path(device.index());
             if record.access.is_block() {
-                flush_device(&dev)?;
+                let dev = self.sysfs.dev_path(device.index());
+                off_runtime("flush", move || flush_device(&dev)).await?;
             }
-            self.nl.disconnect(&device).await?;
-            attach::wait_released(&self.sysfs, device.index(), RELEASE_TIMEOUT).await?;
+            self.disconnect(&record.volume_id, &device).await?;
             tracing::info!(volume = %record.volume_id, device = %device.index(), "detached");
         }
         fail::fail_point!("unstage-after-disconnect");
@@ -395,12 +575,14 @@ impl Node {
         }
     }
 
-    fn require_device(&self, record: &Record) -> Result<nbd::DeviceIndex, NodeError> {
+    /// The device of a record mid-stage. [`Node::run_stage`] has just checked it exists; if
+    /// it vanished since, the call fails retriably and the next one attaches again.
+    fn require_device(&self, record: &Record) -> Result<DeviceIndex, NodeError> {
         self.proven_device(record)?
             .map(|d| d.index())
             .ok_or_else(|| {
-                NodeError::Internal(format!(
-                    "volume {} lost its device mid-stage",
+                NodeError::Unavailable(format!(
+                    "volume {} lost its device mid-stage; retry to attach it again",
                     record.volume_id
                 ))
             })
@@ -414,6 +596,34 @@ impl Node {
         Ok(MountTable::read()?
             .at(path)
             .any(|m| m.major == major && m.minor == minor))
+    }
+}
+
+fn is_mount_point(path: &Path) -> Result<bool, NodeError> {
+    Ok(MountTable::read()?.is_mount_point(path))
+}
+
+/// The kernel takes sizes in whole logical blocks: an export whose size is not a multiple of
+/// 512 bytes would be cut short or refused deep in CONNECT. Said plainly instead.
+fn check_export_size(volume: &str, size: u64) -> Result<(), NodeError> {
+    if size == 0 || size % 512 != 0 {
+        return Err(NodeError::FailedPrecondition(format!(
+            "the export of volume {volume} is {size} bytes, not a positive multiple of 512: the kernel cannot attach it"
+        )));
+    }
+    Ok(())
+}
+
+/// CONNECT for "any free device" fails with ENOSPC or ENODEV when every device is taken
+/// (and the kernel caps how many netlink creates): the node is full, not broken.
+fn no_free_device(e: nbd::Error) -> NodeError {
+    match e.errno() {
+        Some(libc::ENOSPC) | Some(libc::ENODEV) | Some(libc::EMFILE) => {
+            NodeError::ResourceExhausted(format!(
+                "no free NBD device on this node ({e}); raise the nbd module's nbds_max or move volumes away"
+            ))
+        }
+        _ => NodeError::Nbd(e),
     }
 }
 

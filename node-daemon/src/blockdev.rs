@@ -1,0 +1,49 @@
+//! The block layer's own read-only switch for a device (BLKROSET), which every opener of the
+//! device obeys. A read-only bind mount of a device node does not stop writes to the device.
+
+use std::os::fd::AsRawFd;
+use std::path::Path;
+
+use crate::error::NodeError;
+
+// BLKROSET and BLKROGET from linux/fs.h: _IO(0x12, 93) and _IO(0x12, 94), taking an int.
+nix::ioctl_write_ptr_bad!(blkroset, 0x125d, libc::c_int);
+nix::ioctl_read_bad!(blkroget, 0x125e, libc::c_int);
+
+/// Sets or clears the device's read-only flag, if it is not already as asked. Opening the
+/// device does no I/O, but call it off the runtime all the same: it is a device.
+pub fn set_read_only(dev: &Path, read_only: bool) -> Result<(), NodeError> {
+    let failed = |what: &str, e: &dyn std::fmt::Display| {
+        NodeError::Internal(format!("{what} {}: {e}", dev.display()))
+    };
+    let file = std::fs::File::open(dev).map_err(|e| failed("opening", &e))?;
+    let mut current: libc::c_int = 0;
+    // SAFETY: BLKROGET writes one int through the pointer, which outlives the call.
+    unsafe { blkroget(file.as_raw_fd(), &mut current) }
+        .map_err(|e| failed("reading the read-only flag of", &e))?;
+    if (current != 0) == read_only {
+        return Ok(());
+    }
+    let flag: libc::c_int = read_only.into();
+    // SAFETY: BLKROSET reads one int through the pointer, which outlives the call.
+    unsafe { blkroset(file.as_raw_fd(), &flag) }
+        .map_err(|e| failed("setting the read-only flag of", &e))?;
+    tracing::info!(device = %dev.display(), read_only, "block device read-only flag set");
+    Ok(())
+}
+
+// BLKFLSBUF from linux/fs.h: _IO(0x12, 97).
+nix::ioctl_none_bad!(blkflsbuf, 0x1261);
+
+/// Writes back and drops what the page cache holds of the device, so the next probe reads
+/// the export itself: another node may have written the volume since this node last read
+/// it, and a stale cached "blank" must never lead to a format.
+pub fn drop_cache(dev: &Path) -> Result<(), NodeError> {
+    let file = std::fs::File::open(dev)
+        .map_err(|e| NodeError::Internal(format!("opening {}: {e}", dev.display())))?;
+    // SAFETY: BLKFLSBUF takes no argument.
+    unsafe { blkflsbuf(file.as_raw_fd()) }.map_err(|e| {
+        NodeError::Internal(format!("dropping the page cache of {}: {e}", dev.display()))
+    })?;
+    Ok(())
+}
