@@ -4,13 +4,13 @@
 #![allow(clippy::unwrap_used)] // a test fails by panicking
 
 use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use csi_proto::csi::volume_capability::access_mode::Mode;
-use csi_proto::csi::{NodeGetCapabilitiesRequest, NodeGetInfoRequest, VolumeCapability};
+use csi_proto::csi::{NodeGetCapabilitiesRequest, NodeGetInfoRequest};
 use mounts::MountTable;
 use nbd::sysfs::Sysfs;
 use testkit::csi::*;
@@ -18,223 +18,8 @@ use testkit::daemon::NodeDaemon;
 use testkit::{pattern, DirectFile, Listen, NbdServer};
 use tonic::Code;
 
-const MIB: u64 = 1 << 20;
-
-/// Short timeouts so healing and requeues happen within a test's patience.
-const CONFIG: &str = "io-timeout-secs = 4\ndead-conn-timeout-secs = 30\ndial-timeout-secs = 5\n";
-
-/// One volume: a sparse backing file served by nbdkit, and kubelet-shaped paths.
-struct Volume {
-    id: String,
-    backing: PathBuf,
-    server: NbdServer,
-    staging: PathBuf,
-    target: PathBuf,
-    cap: VolumeCapability,
-}
-
-impl Volume {
-    fn new(daemon: &NodeDaemon, id: &str, size: u64, cap: VolumeCapability) -> Self {
-        Self::new_on(daemon, id, size, cap, Listen::Unix)
-    }
-
-    /// Exports that will grow are served over TCP: the daemon replaces a device's TCP
-    /// connections so the server serves the new size (see node-daemon/src/connections.rs).
-    fn new_on(
-        daemon: &NodeDaemon,
-        id: &str,
-        size: u64,
-        cap: VolumeCapability,
-        listen: Listen,
-    ) -> Self {
-        let root = daemon.scratch();
-        let backing = root.join(format!("{id}.img"));
-        std::fs::File::create(&backing)
-            .unwrap()
-            .set_len(size)
-            .unwrap();
-        let file = format!("file={}", backing.display());
-        let server = NbdServer::nbdkit(listen, &["file", &file]).unwrap();
-        let block = matches!(
-            cap.access_type,
-            Some(csi_proto::csi::volume_capability::AccessType::Block(_))
-        );
-        let (staging, target) = if block {
-            (
-                root.join(format!(
-                    "plugins/kubernetes.io/csi/volumeDevices/staging/{id}"
-                )),
-                root.join(format!(
-                    "plugins/kubernetes.io/csi/volumeDevices/publish/{id}/pod-1"
-                )),
-            )
-        } else {
-            (
-                root.join(format!(
-                    "plugins/kubernetes.io/csi/ustor-nbd.csi.mindsw.io/{id}/globalmount"
-                )),
-                root.join(format!("pods/pod-1/volumes/kubernetes.io~csi/{id}/mount")),
-            )
-        };
-        // What kubelet creates before calling: the staging directory, the target's parent.
-        std::fs::create_dir_all(&staging).unwrap();
-        std::fs::create_dir_all(target.parent().unwrap()).unwrap();
-        Self {
-            id: id.into(),
-            backing,
-            server,
-            staging,
-            target,
-            cap,
-        }
-    }
-
-    fn uri(&self) -> String {
-        self.server.uri().to_string()
-    }
-
-    async fn stage(&self, c: &mut NodeClients) -> Result<(), tonic::Status> {
-        c.node
-            .node_stage_volume(stage_request(
-                &self.id,
-                &self.staging,
-                self.cap.clone(),
-                &self.uri(),
-            ))
-            .await
-            .map(drop)
-    }
-
-    async fn publish(&self, c: &mut NodeClients) -> Result<(), tonic::Status> {
-        c.node
-            .node_publish_volume(publish_request(
-                &self.id,
-                &self.staging,
-                &self.target,
-                self.cap.clone(),
-                &self.uri(),
-                false,
-            ))
-            .await
-            .map(drop)
-    }
-
-    async fn unpublish(&self, c: &mut NodeClients) -> Result<(), tonic::Status> {
-        c.node
-            .node_unpublish_volume(unpublish_request(&self.id, &self.target))
-            .await
-            .map(drop)
-    }
-
-    async fn unstage(&self, c: &mut NodeClients) -> Result<(), tonic::Status> {
-        c.node
-            .node_unstage_volume(unstage_request(&self.id, &self.staging))
-            .await
-            .map(drop)
-    }
-
-    async fn up(&self, c: &mut NodeClients) {
-        self.stage(c)
-            .await
-            .unwrap_or_else(|e| panic!("stage {}: {e:?}", self.id));
-        self.publish(c)
-            .await
-            .unwrap_or_else(|e| panic!("publish {}: {e:?}", self.id));
-    }
-
-    async fn down(&self, c: &mut NodeClients) {
-        self.unpublish(c)
-            .await
-            .unwrap_or_else(|e| panic!("unpublish {}: {e:?}", self.id));
-        self.unstage(c)
-            .await
-            .unwrap_or_else(|e| panic!("unstage {}: {e:?}", self.id));
-    }
-
-    /// The device the daemon attached for this volume, found by its identifier.
-    fn device(&self, daemon: &NodeDaemon) -> Option<nbd::DeviceIndex> {
-        let sysfs = Sysfs::default();
-        sysfs.devices().unwrap().into_iter().find(|i| {
-            sysfs
-                .backend(*i)
-                .unwrap()
-                .is_some_and(|b| b.starts_with(&format!("ustor:{}:{}:", daemon.node_id, self.id)))
-        })
-    }
-
-    fn read_backing(&self, offset: u64, len: usize) -> Vec<u8> {
-        let mut buf = vec![0; len];
-        std::fs::File::open(&self.backing)
-            .unwrap()
-            .read_exact_at(&mut buf, offset)
-            .unwrap();
-        buf
-    }
-}
-
-fn ext4() -> VolumeCapability {
-    mount_capability("ext4", Mode::SingleNodeWriter)
-}
-
-fn block() -> VolumeCapability {
-    block_capability(Mode::SingleNodeWriter)
-}
-
-/// Nothing of this daemon's is left: no journal record, no device with its identifiers, no
-/// mount of an nbd device.
-fn assert_clean(daemon: &NodeDaemon) {
-    assert!(
-        daemon.journal_files().is_empty(),
-        "journal records left: {:?}",
-        daemon.journal_files()
-    );
-    let sysfs = Sysfs::default();
-    let prefix = format!("ustor:{}:", daemon.node_id);
-    for i in sysfs.devices().unwrap() {
-        let backend = sysfs.backend(i).unwrap();
-        assert!(
-            !backend.as_deref().is_some_and(|b| b.starts_with(&prefix)),
-            "{i} still attached as {backend:?}"
-        );
-    }
-    let table = MountTable::read().unwrap();
-    let leftover: Vec<_> = table
-        .0
-        .iter()
-        .filter(|m| {
-            m.source.starts_with("/dev/nbd")
-                || (m.fs_type == "devtmpfs" && m.root.starts_with("/nbd"))
-        })
-        .filter(|m| m.mount_point.starts_with(daemon.scratch()))
-        .collect();
-    assert!(leftover.is_empty(), "mounts left: {leftover:?}");
-}
-
-fn is_mounted(path: &Path) -> bool {
-    MountTable::read().unwrap().is_mount_point(path)
-}
-
-/// Writes a file through the published path and checks it reads back.
-fn write_and_check_file(dir: &Path, name: &str, len: usize, seed: u64) {
-    let path = dir.join(name);
-    let data = pattern(seed, 0, len);
-    std::fs::write(&path, &data).unwrap();
-    std::fs::File::open(&path).unwrap().sync_all().unwrap();
-    assert!(std::fs::read(&path).unwrap() == data);
-}
-
-/// O_DIRECT round trip through a published block target, checked on the server's file.
-fn block_round_trip(vol: &Volume, offset: u64, seed: u64) {
-    let data = pattern(seed, offset, 256 * 1024);
-    let f = DirectFile::open(&vol.target, true).unwrap();
-    f.write_at(&data, offset).unwrap();
-    f.sync().unwrap();
-    assert!(
-        vol.read_backing(offset, data.len()) == data,
-        "server-side bytes of {} differ",
-        vol.id
-    );
-}
+mod common;
+use common::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "vm: needs root and the nbd module"]
@@ -886,19 +671,6 @@ async fn bad_input_gets_the_spec_code_and_changes_nothing() {
     rwop.down(&mut c).await;
     vol.unstage(&mut c).await.unwrap();
     assert_clean(&daemon);
-}
-
-fn mkfs_ext4(image: &Path) {
-    let out = std::process::Command::new("mkfs.ext4")
-        .arg("-q")
-        .arg(image)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,0 +1,278 @@
+//! Helpers shared by the node daemon's VM suites: volumes served by real NBD servers, at
+//! kubelet-shaped paths, and checks that nothing is left behind.
+
+#![allow(dead_code)] // each suite uses its own subset
+
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use csi_proto::csi::volume_capability::access_mode::Mode;
+use csi_proto::csi::VolumeCapability;
+use mounts::MountTable;
+use nbd::sysfs::Sysfs;
+use testkit::csi::*;
+use testkit::daemon::NodeDaemon;
+use testkit::{pattern, DirectFile, Listen, NbdServer};
+
+pub const MIB: u64 = 1 << 20;
+
+/// Short timeouts so healing and requeues happen within a test's patience.
+pub const CONFIG: &str =
+    "io-timeout-secs = 4\ndead-conn-timeout-secs = 30\ndial-timeout-secs = 5\n";
+
+/// One volume: a sparse backing file served by nbdkit, and kubelet-shaped paths.
+pub struct Volume {
+    pub id: String,
+    pub backing: PathBuf,
+    pub server: NbdServer,
+    pub staging: PathBuf,
+    pub target: PathBuf,
+    pub cap: VolumeCapability,
+}
+
+impl Volume {
+    pub fn new(daemon: &NodeDaemon, id: &str, size: u64, cap: VolumeCapability) -> Self {
+        Self::new_on(daemon, id, size, cap, Listen::Unix)
+    }
+
+    /// Exports that will grow are served over TCP: the daemon replaces a device's TCP
+    /// connections so the server serves the new size (see node-daemon/src/connections.rs).
+    pub fn new_on(
+        daemon: &NodeDaemon,
+        id: &str,
+        size: u64,
+        cap: VolumeCapability,
+        listen: Listen,
+    ) -> Self {
+        let root = daemon.scratch();
+        let backing = root.join(format!("{id}.img"));
+        std::fs::File::create(&backing)
+            .unwrap()
+            .set_len(size)
+            .unwrap();
+        let file = format!("file={}", backing.display());
+        let server = NbdServer::nbdkit(listen, &["file", &file]).unwrap();
+        let block = matches!(
+            cap.access_type,
+            Some(csi_proto::csi::volume_capability::AccessType::Block(_))
+        );
+        let (staging, target) = if block {
+            (
+                root.join(format!(
+                    "plugins/kubernetes.io/csi/volumeDevices/staging/{id}"
+                )),
+                root.join(format!(
+                    "plugins/kubernetes.io/csi/volumeDevices/publish/{id}/pod-1"
+                )),
+            )
+        } else {
+            (
+                root.join(format!(
+                    "plugins/kubernetes.io/csi/ustor-nbd.csi.mindsw.io/{id}/globalmount"
+                )),
+                root.join(format!("pods/pod-1/volumes/kubernetes.io~csi/{id}/mount")),
+            )
+        };
+        // What kubelet creates before calling: the staging directory, the target's parent.
+        std::fs::create_dir_all(&staging).unwrap();
+        std::fs::create_dir_all(target.parent().unwrap()).unwrap();
+        Self {
+            id: id.into(),
+            backing,
+            server,
+            staging,
+            target,
+            cap,
+        }
+    }
+
+    pub fn uri(&self) -> String {
+        self.server.uri().to_string()
+    }
+
+    pub async fn stage(&self, c: &mut NodeClients) -> Result<(), tonic::Status> {
+        c.node
+            .node_stage_volume(stage_request(
+                &self.id,
+                &self.staging,
+                self.cap.clone(),
+                &self.uri(),
+            ))
+            .await
+            .map(drop)
+    }
+
+    pub async fn publish(&self, c: &mut NodeClients) -> Result<(), tonic::Status> {
+        c.node
+            .node_publish_volume(publish_request(
+                &self.id,
+                &self.staging,
+                &self.target,
+                self.cap.clone(),
+                &self.uri(),
+                false,
+            ))
+            .await
+            .map(drop)
+    }
+
+    pub async fn unpublish(&self, c: &mut NodeClients) -> Result<(), tonic::Status> {
+        c.node
+            .node_unpublish_volume(unpublish_request(&self.id, &self.target))
+            .await
+            .map(drop)
+    }
+
+    pub async fn unstage(&self, c: &mut NodeClients) -> Result<(), tonic::Status> {
+        c.node
+            .node_unstage_volume(unstage_request(&self.id, &self.staging))
+            .await
+            .map(drop)
+    }
+
+    pub async fn up(&self, c: &mut NodeClients) {
+        self.stage(c)
+            .await
+            .unwrap_or_else(|e| panic!("stage {}: {e:?}", self.id));
+        self.publish(c)
+            .await
+            .unwrap_or_else(|e| panic!("publish {}: {e:?}", self.id));
+    }
+
+    pub async fn down(&self, c: &mut NodeClients) {
+        self.unpublish(c)
+            .await
+            .unwrap_or_else(|e| panic!("unpublish {}: {e:?}", self.id));
+        self.unstage(c)
+            .await
+            .unwrap_or_else(|e| panic!("unstage {}: {e:?}", self.id));
+    }
+
+    /// The device the daemon attached for this volume, found by its identifier.
+    pub fn device(&self, daemon: &NodeDaemon) -> Option<nbd::DeviceIndex> {
+        let sysfs = Sysfs::default();
+        sysfs.devices().unwrap().into_iter().find(|i| {
+            sysfs
+                .backend(*i)
+                .unwrap()
+                .is_some_and(|b| b.starts_with(&format!("ustor:{}:{}:", daemon.node_id, self.id)))
+        })
+    }
+
+    pub fn read_backing(&self, offset: u64, len: usize) -> Vec<u8> {
+        let mut buf = vec![0; len];
+        std::fs::File::open(&self.backing)
+            .unwrap()
+            .read_exact_at(&mut buf, offset)
+            .unwrap();
+        buf
+    }
+}
+
+pub fn ext4() -> VolumeCapability {
+    mount_capability("ext4", Mode::SingleNodeWriter)
+}
+
+/// A raw block volume for one pod (ReadWriteOncePod, the guide's mode for block volumes).
+pub fn block() -> VolumeCapability {
+    block_capability(Mode::SingleNodeSingleWriter)
+}
+
+/// Nothing of this daemon's is left: no journal record, no device with its identifiers, no
+/// mount of an nbd device.
+pub fn assert_clean(daemon: &NodeDaemon) {
+    assert!(
+        daemon.journal_files().is_empty(),
+        "journal records left: {:?}",
+        daemon.journal_files()
+    );
+    let sysfs = Sysfs::default();
+    let prefix = format!("ustor:{}:", daemon.node_id);
+    for i in sysfs.devices().unwrap() {
+        let backend = sysfs.backend(i).unwrap();
+        assert!(
+            !backend.as_deref().is_some_and(|b| b.starts_with(&prefix)),
+            "{i} still attached as {backend:?}"
+        );
+    }
+    let table = MountTable::read().unwrap();
+    let leftover: Vec<_> = table
+        .0
+        .iter()
+        .filter(|m| {
+            m.source.starts_with("/dev/nbd")
+                || (m.fs_type == "devtmpfs" && m.root.starts_with("/nbd"))
+        })
+        .filter(|m| m.mount_point.starts_with(daemon.scratch()))
+        .collect();
+    assert!(leftover.is_empty(), "mounts left: {leftover:?}");
+}
+
+pub fn is_mounted(path: &Path) -> bool {
+    MountTable::read().unwrap().is_mount_point(path)
+}
+
+/// Writes a file through the published path and checks it reads back.
+pub fn write_and_check_file(dir: &Path, name: &str, len: usize, seed: u64) {
+    let path = dir.join(name);
+    let data = pattern(seed, 0, len);
+    std::fs::write(&path, &data).unwrap();
+    std::fs::File::open(&path).unwrap().sync_all().unwrap();
+    assert!(std::fs::read(&path).unwrap() == data);
+}
+
+/// O_DIRECT round trip through a published block target, checked on the server's file.
+pub fn block_round_trip(vol: &Volume, offset: u64, seed: u64) {
+    let data = pattern(seed, offset, 256 * 1024);
+    let f = DirectFile::open(&vol.target, true).unwrap();
+    f.write_at(&data, offset).unwrap();
+    f.sync().unwrap();
+    assert!(
+        vol.read_backing(offset, data.len()) == data,
+        "server-side bytes of {} differ",
+        vol.id
+    );
+}
+
+pub fn mkfs_ext4(image: &Path) {
+    let out = std::process::Command::new("mkfs.ext4")
+        .arg("-q")
+        .arg(image)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Copies an image file keeping its holes (as a clone of a sparse volume does), so large
+/// sparse images cost the guest's memory only what they hold.
+pub fn sparse_copy(from: &Path, to: &Path) {
+    use std::os::fd::AsRawFd;
+    let src = std::fs::File::open(from).unwrap();
+    let dst = std::fs::OpenOptions::new().write(true).open(to).unwrap();
+    let len = src.metadata().unwrap().len();
+    dst.set_len(len).unwrap();
+    let mut offset: i64 = 0;
+    let mut buf = vec![0u8; 1 << 20];
+    while (offset as u64) < len {
+        // SAFETY: lseek on an open descriptor; no memory is touched.
+        let data = unsafe { libc::lseek(src.as_raw_fd(), offset, libc::SEEK_DATA) };
+        if data < 0 {
+            break; // no data past `offset`
+        }
+        // SAFETY: as above.
+        let hole = unsafe { libc::lseek(src.as_raw_fd(), data, libc::SEEK_HOLE) };
+        let mut at = data;
+        while at < hole {
+            let n = ((hole - at) as usize).min(buf.len());
+            src.read_exact_at(&mut buf[..n], at as u64).unwrap();
+            dst.write_all_at(&buf[..n], at as u64).unwrap();
+            at += n as i64;
+        }
+        offset = hole;
+    }
+    dst.sync_all().unwrap();
+}

@@ -1,0 +1,508 @@
+//! The node daemon on its worst days, against the real kernel: an export that vanishes during a
+//! call, a stage that fails half-way, a format interrupted by a crash, a device lost mid-stage,
+//! a staging mount gone under a publish, an export that shrank. Ignored on the host; run in the
+//! VM on every kernel line by `tests/vm/run`.
+
+#![allow(clippy::unwrap_used)] // a test fails by panicking
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use csi_proto::csi::volume_capability::access_mode::Mode;
+use csi_proto::csi::ProbeRequest;
+use nbd::netlink::NbdNetlink;
+use nbd::sysfs::Sysfs;
+use nbd::BackendId;
+use testkit::csi::*;
+use testkit::daemon::NodeDaemon;
+use testkit::{pattern, DirectFile, Listen};
+use tonic::Code;
+
+mod common;
+use common::*;
+
+/// Lines of the kernel log that report a failed I/O on an nbd device.
+fn kernel_io_errors() -> usize {
+    let out = std::process::Command::new("dmesg").output().unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.contains("nbd") && l.contains("I/O error"))
+        .count()
+}
+
+/// The filesystem UUID of an image file, as blkid reads it.
+fn image_uuid(image: &Path) -> String {
+    let out = std::process::Command::new("blkid")
+        .args(["-p", "-o", "value", "-s", "UUID"])
+        .arg(image)
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// Disconnects a volume's device behind the daemon's back, as a reboot or an operator would.
+async fn disconnect_behind_the_back(vol: &Volume, daemon: &NodeDaemon) {
+    let sysfs = Sysfs::default();
+    let index = vol.device(daemon).expect("the volume has a device");
+    let id = BackendId::new(sysfs.backend(index).unwrap().unwrap()).unwrap();
+    let proven = sysfs.prove(index, &id).unwrap();
+    NbdNetlink::open()
+        .await
+        .unwrap()
+        .disconnect(&proven)
+        .await
+        .unwrap();
+    nbd::attach::wait_released(&sysfs, index, Duration::from_secs(30))
+        .await
+        .unwrap();
+}
+
+/// Arms `point`, makes `stage` hit it, and waits for the daemon to die there.
+async fn crash_stage_at(daemon: &mut NodeDaemon, vol: &Volume, point: &str) {
+    let mut armed = daemon.start(Some(point)).await;
+    vol.stage(&mut armed)
+        .await
+        .expect_err("the daemon dies mid-call");
+    let exit = daemon.wait_exit(Duration::from_secs(30));
+    assert!(exit.is_some_and(|s| !s.success()), "crashed at {point}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn unstage_during_an_outage_waits_for_the_heal_and_loses_nothing() {
+    let mut daemon = NodeDaemon::new("outage", CONFIG).unwrap();
+    let mut c = daemon.start(None).await;
+    let mut vol = Volume::new(&daemon, "dirty", 64 * MIB, ext4());
+    let other = Volume::new(&daemon, "bystander", 32 * MIB, block());
+    vol.up(&mut c).await;
+    other.up(&mut c).await;
+    let errors_before = kernel_io_errors();
+
+    // Dirty pages only: nothing reaches the export before the unmount flushes them.
+    let data = pattern(91, 0, 4 * MIB as usize);
+    std::fs::write(vol.target.join("unsynced"), &data).unwrap();
+    vol.unpublish(&mut c).await.unwrap();
+    vol.server.kill();
+
+    let unstage = {
+        let (mut node, req) = (c.node.clone(), unstage_request(&vol.id, &vol.staging));
+        tokio::spawn(async move {
+            let started = Instant::now();
+            (node.node_unstage_volume(req).await, started.elapsed())
+        })
+    };
+    // While the unmount waits on the dead link, everything else is answered promptly.
+    let outage = Instant::now();
+    let mut slowest = Duration::ZERO;
+    while outage.elapsed() < Duration::from_secs(3) {
+        let started = Instant::now();
+        let probe = c
+            .identity
+            .probe(ProbeRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(probe.ready, Some(true));
+        c.node
+            .node_get_volume_stats(stats_request(&other.id, &other.target))
+            .await
+            .unwrap();
+        block_round_trip(&other, 0, 17);
+        slowest = slowest.max(started.elapsed());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(
+        slowest < Duration::from_secs(1),
+        "calls took up to {slowest:?} during the outage"
+    );
+    assert!(!unstage.is_finished(), "the unmount waits for the export");
+    vol.server.start().unwrap();
+    let (result, took) = tokio::time::timeout(Duration::from_secs(60), unstage)
+        .await
+        .expect("NodeUnstage finishes once the export is back")
+        .unwrap();
+    result.unwrap_or_else(|e| panic!("NodeUnstage during the outage: {e:?}"));
+    assert!(took >= Duration::from_secs(3), "{took:?}");
+    assert_eq!(
+        kernel_io_errors(),
+        errors_before,
+        "no I/O error reached the kernel log"
+    );
+
+    // Every byte written before the outage is on the export.
+    vol.up(&mut c).await;
+    assert!(std::fs::read(vol.target.join("unsynced")).unwrap() == data);
+    vol.down(&mut c).await;
+    other.down(&mut c).await;
+    assert_clean(&daemon);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn a_stage_that_fails_for_good_leaves_nothing_behind() {
+    let mut daemon = NodeDaemon::new("undo", CONFIG).unwrap();
+    let mut c = daemon.start(None).await;
+
+    // The volume holds another filesystem than the one asked for.
+    let wrong_fs = Volume::new(
+        &daemon,
+        "holds-ext4",
+        64 * MIB,
+        mount_capability("xfs", Mode::SingleNodeWriter),
+    );
+    mkfs_ext4(&wrong_fs.backing);
+    let err = wrong_fs.stage(&mut c).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{}", err.message());
+    assert!(
+        wrong_fs.device(&daemon).is_none(),
+        "the device was disconnected"
+    );
+    assert_clean(&daemon);
+
+    // A mount option the filesystem refuses.
+    let mut cap = ext4();
+    if let Some(csi_proto::csi::volume_capability::AccessType::Mount(m)) = cap.access_type.as_mut()
+    {
+        m.mount_flags = vec!["data=bogus".into()];
+    }
+    let bad_option = Volume::new(&daemon, "bad-option", 64 * MIB, cap);
+    let err = bad_option.stage(&mut c).await.unwrap_err();
+    assert_ne!(err.code(), Code::Ok);
+    assert!(
+        !err.message().contains("bogus"),
+        "mount flags stay out of messages: {}",
+        err.message()
+    );
+    assert!(!is_mounted(&bad_option.staging));
+    assert_clean(&daemon);
+
+    // A retriable failure keeps nothing either when no device was attached.
+    let mut gone = Volume::new(&daemon, "gone", 64 * MIB, ext4());
+    gone.server.kill();
+    let err = gone.stage(&mut c).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{}", err.message());
+    assert_clean(&daemon);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn an_interrupted_format_is_redone_only_over_its_own_filesystem() {
+    let mut daemon = NodeDaemon::new("mkfs", CONFIG).unwrap();
+
+    // mkfs finished, the crash came before the journal said so: redone, then staged.
+    let ours = Volume::new(&daemon, "ours", 64 * MIB, ext4());
+    crash_stage_at(&mut daemon, &ours, "stage-after-mkfs").await;
+    let journaled = image_uuid(&ours.backing);
+    assert_eq!(journaled.len(), 36, "mkfs ran with the journaled UUID");
+    let mut c = daemon.start(None).await;
+    ours.up(&mut c).await;
+    write_and_check_file(&ours.target, "after", MIB as usize, 3);
+    assert_eq!(image_uuid(&ours.backing), journaled);
+    ours.down(&mut c).await;
+    daemon.kill();
+
+    // The crash came before mkfs; meanwhile the volume got a filesystem elsewhere (another
+    // node staged it and wrote): that filesystem is never formatted over.
+    let theirs = Volume::new(&daemon, "theirs", 64 * MIB, ext4());
+    crash_stage_at(&mut daemon, &theirs, "stage-before-mkfs").await;
+    mkfs_ext4(&theirs.backing);
+    let foreign = image_uuid(&theirs.backing);
+    let mut c = daemon.start(None).await;
+    let err = theirs.stage(&mut c).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{}", err.message());
+    assert!(err.message().contains("refusing"), "{}", err.message());
+    assert_eq!(image_uuid(&theirs.backing), foreign, "not reformatted");
+    assert_clean(&daemon);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn a_device_lost_mid_stage_is_attached_again() {
+    let mut daemon = NodeDaemon::new("lost", CONFIG).unwrap();
+    let vol = Volume::new(&daemon, "lost-mid-stage", 64 * MIB, ext4());
+    crash_stage_at(&mut daemon, &vol, "stage-after-connect").await;
+    // Recovery takes the device into the record (phase Attached)…
+    drop(daemon.start(None).await);
+    daemon.kill();
+    // …and then the node "rebooted": the device is gone.
+    disconnect_behind_the_back(&vol, &daemon).await;
+    let mut c = daemon.start(None).await;
+    vol.up(&mut c).await;
+    write_and_check_file(&vol.target, "data", MIB as usize, 4);
+    vol.down(&mut c).await;
+    assert_clean(&daemon);
+
+    daemon.kill();
+
+    // The same with the stage stopped just before mkfs (phase Formatting).
+    let vol = Volume::new(&daemon, "lost-formatting", 64 * MIB, ext4());
+    crash_stage_at(&mut daemon, &vol, "stage-before-mkfs").await;
+    disconnect_behind_the_back(&vol, &daemon).await;
+    let mut c = daemon.start(None).await;
+    vol.up(&mut c).await;
+    vol.down(&mut c).await;
+    assert_clean(&daemon);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn publish_mounts_a_lost_staging_mount_and_unstage_forgets_stale_targets() {
+    let mut daemon = NodeDaemon::new("paths", CONFIG).unwrap();
+    let mut c = daemon.start(None).await;
+    let vol = Volume::new(&daemon, "remount", 64 * MIB, ext4());
+    vol.up(&mut c).await;
+    write_and_check_file(&vol.target, "kept", MIB as usize, 6);
+    vol.unpublish(&mut c).await.unwrap();
+    // Someone unmounted the staging path: publish must not bind the bare directory.
+    mounts::ops::unmount(&vol.staging).unwrap();
+    vol.publish(&mut c).await.unwrap();
+    assert!(is_mounted(&vol.staging), "staging mounted again");
+    assert!(std::fs::read(vol.target.join("kept")).unwrap() == pattern(6, 0, MIB as usize));
+
+    // kubelet's orphan cleanup removed the pod's mount without NodeUnpublish.
+    while mounts::ops::unmount(&vol.target).unwrap() {}
+    vol.unstage(&mut c).await.unwrap();
+    assert_clean(&daemon);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn expansion_never_shrinks_and_one_export_has_one_volume() {
+    let mut daemon = NodeDaemon::new("sizes", CONFIG).unwrap();
+    let mut c = daemon.start(None).await;
+    let mut vol = Volume::new_on(&daemon, "shrunk", 64 * MIB, block(), Listen::Tcp);
+    vol.up(&mut c).await;
+    block_round_trip(&vol, 60 * MIB, 8);
+    let index = vol.device(&daemon).unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&vol.backing)
+        .unwrap()
+        .set_len(32 * MIB)
+        .unwrap();
+    vol.server.start().unwrap();
+    let err = c
+        .node
+        .node_expand_volume(expand_request(&vol.id, &vol.target, &vol.staging, 0))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{}", err.message());
+    assert!(err.message().contains("shrink"), "{}", err.message());
+    assert_eq!(
+        Sysfs::default().size_bytes(index).unwrap(),
+        64 * MIB,
+        "size kept"
+    );
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&vol.backing)
+        .unwrap()
+        .set_len(64 * MIB)
+        .unwrap();
+
+    // A second volume id naming the same export (a static PV) is refused while it is staged.
+    let alias = "alias-of-shrunk";
+    let staging = daemon.scratch().join("alias-staging");
+    std::fs::create_dir_all(&staging).unwrap();
+    for cap in [ext4(), block()] {
+        let err = c
+            .node
+            .node_stage_volume(stage_request(alias, &staging, cap, &vol.uri()))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::FailedPrecondition, "{}", err.message());
+        assert!(err.message().contains(&vol.id), "{}", err.message());
+    }
+    vol.down(&mut c).await;
+    assert_clean(&daemon);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn read_only_means_read_only_for_block_volumes() {
+    let mut daemon = NodeDaemon::new("ro", CONFIG).unwrap();
+    let mut c = daemon.start(None).await;
+    let sysfs = Sysfs::default();
+
+    // A read-only publish of a writable attachment: the device refuses writes meanwhile.
+    let vol = Volume::new(&daemon, "ro-publish", 32 * MIB, block());
+    vol.stage(&mut c).await.unwrap();
+    c.node
+        .node_publish_volume(publish_request(
+            &vol.id,
+            &vol.staging,
+            &vol.target,
+            vol.cap.clone(),
+            &vol.uri(),
+            true,
+        ))
+        .await
+        .unwrap();
+    let index = vol.device(&daemon).unwrap();
+    assert!(sysfs.read_only(index).unwrap());
+    let err = DirectFile::open(&vol.target, true)
+        .and_then(|f| f.write_at(&pattern(1, 0, 4096), 0))
+        .unwrap_err();
+    assert!(
+        [Some(libc::EPERM), Some(libc::EROFS), Some(libc::EACCES)].contains(&err.raw_os_error()),
+        "{err}"
+    );
+    vol.unpublish(&mut c).await.unwrap();
+    assert!(
+        !sysfs.read_only(index).unwrap(),
+        "writable again with no read-only pod"
+    );
+    vol.publish(&mut c).await.unwrap();
+    block_round_trip(&vol, 0, 2);
+    vol.down(&mut c).await;
+
+    // A read-only access mode: the whole attachment is read-only from CONNECT on.
+    let ro = Volume::new(
+        &daemon,
+        "ro-mode",
+        32 * MIB,
+        block_capability(Mode::SingleNodeReaderOnly),
+    );
+    ro.up(&mut c).await;
+    assert!(sysfs.read_only(ro.device(&daemon).unwrap()).unwrap());
+    assert!(DirectFile::open(&ro.target, true)
+        .and_then(|f| f.write_at(&pattern(1, 0, 4096), 0))
+        .is_err());
+    ro.down(&mut c).await;
+    assert_clean(&daemon);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn xfs_clones_mount_beside_their_source() {
+    let mut daemon = NodeDaemon::new("clone", CONFIG).unwrap();
+    let mut c = daemon.start(None).await;
+    let cap = mount_capability("xfs", Mode::SingleNodeWriter);
+    let source = Volume::new(&daemon, "xfs-source", 320 * MIB, cap.clone());
+    source.up(&mut c).await;
+    write_and_check_file(&source.target, "cloned", MIB as usize, 9);
+    std::process::Command::new("sync").status().unwrap();
+    source.unpublish(&mut c).await.unwrap();
+    source.unstage(&mut c).await.unwrap();
+    let clone = Volume::new(&daemon, "xfs-clone", 320 * MIB, cap);
+    sparse_copy(&source.backing, &clone.backing);
+    assert_eq!(image_uuid(&source.backing), image_uuid(&clone.backing));
+    source.up(&mut c).await;
+    clone.up(&mut c).await;
+    assert!(std::fs::read(clone.target.join("cloned")).unwrap() == pattern(9, 0, MIB as usize));
+    clone.down(&mut c).await;
+    source.down(&mut c).await;
+    assert_clean(&daemon);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn a_changed_io_scheduler_is_set_back_to_none() {
+    let mut daemon = NodeDaemon::new("sched", CONFIG).unwrap();
+    let mut c = daemon.start(None).await;
+    let vol = Volume::new(&daemon, "sched", 32 * MIB, block());
+    vol.up(&mut c).await;
+    let sysfs = Sysfs::default();
+    let index = vol.device(&daemon).unwrap();
+    assert_eq!(sysfs.scheduler(index).unwrap(), "none");
+    // kyber: a scheduler other than none that both kernel lines have (as a module).
+    sysfs.set_scheduler(index, "kyber").unwrap();
+    let started = Instant::now();
+    while sysfs.scheduler(index).unwrap() != "none" {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "never set back"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(daemon
+        .scrape()
+        .await
+        .contains("ustor_csi_node_scheduler_resets_total 1"));
+    vol.down(&mut c).await;
+    assert_clean(&daemon);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn a_symlinked_kubelet_directory_behaves_like_a_real_one() {
+    let mut daemon = NodeDaemon::new("symlink", CONFIG).unwrap();
+    let mut c = daemon.start(None).await;
+    let real = daemon.scratch().join("data-disk/kubelet");
+    std::fs::create_dir_all(&real).unwrap();
+    let link = daemon.scratch().join("var-lib-kubelet");
+    std::os::unix::fs::symlink(&real, &link).unwrap();
+    let mut vols = Vec::new();
+    for (id, cap) in [("sym-ext4", ext4()), ("sym-block", block())] {
+        let mut vol = Volume::new(&daemon, id, 64 * MIB, cap);
+        let staging = link.join(format!("plugins/{id}/globalmount"));
+        let target = link.join(format!("pods/p/volumes/{id}/mount"));
+        std::fs::create_dir_all(&staging).unwrap();
+        std::fs::create_dir_all(target.parent().unwrap()).unwrap();
+        (vol.staging, vol.target) = (staging, target);
+        vol.up(&mut c).await;
+        // Repeats are idempotent: no second mount stacks on the first.
+        vol.stage(&mut c).await.unwrap();
+        vol.publish(&mut c).await.unwrap();
+        vols.push(vol);
+    }
+    let real = std::fs::canonicalize(&real).unwrap();
+    let table = MountTableView::read();
+    for vol in &vols {
+        let target = real.join(vol.target.strip_prefix(&link).unwrap());
+        assert_eq!(table.count_at(&target), 1, "{}", target.display());
+    }
+    write_and_check_file(&vols[0].target, "through-the-link", MIB as usize, 12);
+    block_round_trip(&vols[1], 0, 13);
+    // A restart sees its own mounts as its own.
+    daemon.kill();
+    let mut c = daemon.start(None).await;
+    for vol in &vols {
+        vol.down(&mut c).await;
+    }
+    assert_clean(&daemon);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn a_rebuilt_record_takes_the_staging_path_kubelet_gives() {
+    let mut daemon = NodeDaemon::new("rebuilt", CONFIG).unwrap();
+    let mut c = daemon.start(None).await;
+    let vol = Volume::new(&daemon, "rebuilt-vol", 64 * MIB, ext4());
+    vol.up(&mut c).await;
+    write_and_check_file(&vol.target, "kept", MIB as usize, 14);
+    daemon.kill();
+    // The journal entry is lost and the staging mount is gone: the pod's mount is the only
+    // mount of the device left, and a rebuilt record can only guess.
+    for f in daemon.journal_files() {
+        std::fs::remove_file(f).unwrap();
+    }
+    mounts::ops::unmount(&vol.staging).unwrap();
+    let mut c2 = daemon.start(None).await;
+    let report: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(daemon.state_dir.join("recovery.json")).unwrap())
+            .unwrap();
+    assert_eq!(report["rebuilt"].as_array().unwrap().len(), 1, "{report}");
+    drop(c);
+    vol.unpublish(&mut c2).await.unwrap();
+    vol.unstage(&mut c2).await.unwrap();
+    assert_clean(&daemon);
+    // The data made it to the export.
+    vol.up(&mut c2).await;
+    assert!(std::fs::read(vol.target.join("kept")).unwrap() == pattern(14, 0, MIB as usize));
+    vol.down(&mut c2).await;
+    assert_clean(&daemon);
+}
+
+/// The mount table, for counting stacked mounts.
+struct MountTableView(mounts::MountTable);
+
+impl MountTableView {
+    fn read() -> Self {
+        Self(mounts::MountTable::read().unwrap())
+    }
+
+    fn count_at(&self, path: &Path) -> usize {
+        self.0.at(path).count()
+    }
+}
