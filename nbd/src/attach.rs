@@ -177,7 +177,11 @@ async fn settle(
         .await?;
     let device = sysfs.prove(index, &opts.identifier)?;
     if let Some(scheduler) = &opts.scheduler {
-        sysfs.set_scheduler(index, scheduler)?;
+        // Switching freezes the queue (tens of ms): skip it when the device already has it,
+        // as a device keeps its scheduler across attachments.
+        if sysfs.scheduler(index).ok().as_deref() != Some(scheduler.as_str()) {
+            sysfs.set_scheduler(index, scheduler)?;
+        }
     }
     Ok(device)
 }

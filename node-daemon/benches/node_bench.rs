@@ -2,8 +2,8 @@
 //!
 //! - attach: NodeStageVolume (block) through the CSI socket vs `nbd-client` on the same export,
 //!   20 runs each, interleaved, medians and ratio;
-//! - restart: daemon start to "ready" (Probe) with 16 and 64 staged volumes;
-//! - footprint: daemon RSS with 64 staged volumes, idle;
+//! - restart: daemon start to "ready" (Probe) with 16, 64 and 256 staged volumes;
+//! - footprint: daemon RSS with 16, 64 and 256 staged volumes, idle;
 //! - reconnect: from the NBD server's restart to I/O flowing again on a staged volume.
 
 #![allow(clippy::unwrap_used)] // a benchmark stops on the first failure
@@ -132,8 +132,7 @@ async fn attach_latency(server: &NbdServer) {
 }
 
 async fn restart_and_footprint(server: &NbdServer) {
-    let uri = server.uri().to_string();
-    for count in [16usize, 64] {
+    for count in [16usize, 64, 256] {
         let mut daemon = NodeDaemon::new(&format!("bench-restart-{count}"), "").unwrap();
         let mut c = daemon.start(None).await;
         let mut paths = Vec::new();
@@ -145,7 +144,9 @@ async fn restart_and_footprint(server: &NbdServer) {
                     &id,
                     &path,
                     block_capability(Mode::SingleNodeSingleWriter),
-                    &uri,
+                    // One export per volume, as the daemon allows (the memory plugin serves
+                    // every export name the same data, which a benchmark does not mind).
+                    &server.uri_for(&id).to_string(),
                 ))
                 .await
                 .unwrap();

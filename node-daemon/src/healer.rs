@@ -111,7 +111,8 @@ impl Healer {
     }
 
     /// What a missed LINK_DEAD would have told: a journaled connection of a device that the
-    /// kernel reports closed. Also puts back the `none` I/O scheduler (see nbd::attach).
+    /// kernel reports closed. Also puts back the `none` I/O scheduler (see nbd::attach), and
+    /// sets it ahead on idle devices.
     pub fn sweep(self: &Arc<Self>, node: &Arc<Node>) {
         for record in node.records() {
             let Some(index) = record.device_index() else {
@@ -123,6 +124,7 @@ impl Healer {
             }
             node.keep_scheduler(&record);
         }
+        node.prepare_idle_devices();
     }
 
     /// Reconnects `volume` until it succeeds or there is nothing left to heal. With

@@ -145,6 +145,33 @@ impl Node {
         Ok(())
     }
 
+    /// Journals `record` whole, its connection list included: for the step that has just
+    /// dialed them, before CONNECT.
+    pub(crate) fn save_with_connections(&self, record: &Record) -> Result<(), NodeError> {
+        let mut records = lock(&self.records);
+        self.journal.write(record)?;
+        records.insert(record.volume_id.clone(), record.clone());
+        self.metrics.volumes.set(records.len() as i64);
+        Ok(())
+    }
+
+    /// Gives idle nbd devices (no backend identifier) the `none` scheduler ahead of use, so
+    /// the queue freeze a switch costs is not paid inside an attach.
+    pub(crate) fn prepare_idle_devices(&self) {
+        let Ok(devices) = self.sysfs.devices() else {
+            return;
+        };
+        for index in devices {
+            if matches!(self.sysfs.backend(index), Ok(None))
+                && self.sysfs.scheduler(index).is_ok_and(|s| s != "none")
+            {
+                if let Err(e) = self.sysfs.set_scheduler(index, "none") {
+                    tracing::debug!(device = %index, error = %e, "could not preset the none scheduler");
+                }
+            }
+        }
+    }
+
     /// Journals the connections the device of `volume` may hold, if the volume still has
     /// the attachment `identifier` (a forgotten or re-attached volume is left alone).
     pub(crate) fn set_tcp(

@@ -59,6 +59,7 @@ pub async fn run(settings: Settings) -> Result<()> {
     let healing = Arc::clone(&healer).spawn(Arc::clone(&node), events);
     healer.refresh_all(&node);
     let report = recovery::reconcile(&node, report).await?;
+    node.prepare_idle_devices();
     tracing::info!(
         records = report.records,
         finished = report.finished.len(),

@@ -304,6 +304,7 @@ async fn crash_at_every_journal_step_converges() {
         (Call::Publish, "publish-after-journal", false),
         (Call::Publish, "publish-after-mount", false),
         (Call::Publish, "publish-after-mount", true),
+        (Call::Expand, "expand-while-frozen", false),
         (Call::Expand, "expand-after-resize", false),
         (Call::Expand, "expand-after-grow", false),
         (Call::Unpublish, "unpublish-after-journal", false),

@@ -86,6 +86,7 @@ impl Node {
         let Phase::Expanding { to_bytes } = record.phase else {
             return Ok(record.size_bytes.unwrap_or_default());
         };
+        self.thaw_staging(&record).await?;
         let device = self.proven_device(&record)?.ok_or_else(|| {
             NodeError::FailedPrecondition(format!("device of volume {} is gone", record.volume_id))
         })?;
@@ -98,7 +99,8 @@ impl Node {
         }
         if current != to_bytes {
             if !self.record_tcp(&record).is_empty() {
-                self.replace_connections(&record, &device, current).await?;
+                self.replace_connections_quiesced(&record, &device, current)
+                    .await?;
             }
             self.resize(&record.volume_id, &device, to_bytes).await?;
         }
@@ -177,6 +179,50 @@ impl Node {
         self.sysfs
             .wait_ready(index, bytes, Duration::from_secs(10))
             .await?;
+        Ok(())
+    }
+
+    /// [`Node::replace_connections`] with the filesystem frozen, if there is one: nothing is in
+    /// flight when the old connections go, so nothing waits for the I/O timeout to be sent
+    /// again (and a server is never cut off mid-reply). A crash while frozen is undone by
+    /// recovery, which thaws the staging mount of every expansion it finishes.
+    async fn replace_connections_quiesced(
+        &self,
+        record: &Record,
+        device: &ProvenDevice,
+        current: u64,
+    ) -> Result<(), NodeError> {
+        let staging = self.our_staging_mount(record)?;
+        if let Some(dir) = staging.clone() {
+            off_runtime("freeze", move || crate::blockdev::freeze(&dir)).await?;
+            fail::fail_point!("expand-while-frozen");
+        }
+        let replaced = self.replace_connections(record, device, current).await;
+        if let Some(dir) = staging {
+            off_runtime("thaw", move || crate::blockdev::thaw(&dir)).await?;
+        }
+        replaced
+    }
+
+    /// The staging path, if the volume's filesystem is mounted there from its device (never
+    /// freeze or thaw whatever else is mounted, or the root filesystem under an empty dir).
+    fn our_staging_mount(&self, record: &Record) -> Result<Option<PathBuf>, NodeError> {
+        let (Access::Mount { .. }, Some(staging)) = (&record.access, &record.staging_path) else {
+            return Ok(None);
+        };
+        let Some(device) = self.proven_device(record)? else {
+            return Ok(None);
+        };
+        let dev = self.sysfs.dev_path(device.index());
+        Ok(self.mounted_from(&dev, staging)?.then(|| staging.clone()))
+    }
+
+    /// An expansion interrupted between freeze and thaw left its filesystem frozen: thawed
+    /// before the expansion is finished (a no-op when it is not frozen).
+    async fn thaw_staging(&self, record: &Record) -> Result<(), NodeError> {
+        if let Some(dir) = self.our_staging_mount(record)? {
+            off_runtime("thaw", move || crate::blockdev::thaw(&dir)).await?;
+        }
         Ok(())
     }
 

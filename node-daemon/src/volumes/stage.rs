@@ -54,7 +54,9 @@ impl Node {
             Some(existing) => self.reconcile_stage_request(existing, &req)?,
             None => {
                 self.refuse_shared_export(&req)?;
-                let record = Record {
+                // Journaled in step_attach, with its connections, before CONNECT: until then
+                // there is nothing in the kernel to find or undo.
+                Record {
                     schema: SCHEMA,
                     volume_id: req.volume.as_str().to_owned(),
                     identifier: Identifier::new_attachment(&self.settings.node_id, &req.volume)?
@@ -71,9 +73,7 @@ impl Node {
                     fs_uuid: None,
                     rebuilt: false,
                     tcp: Vec::new(),
-                };
-                self.save(&record)?;
-                record
+                }
             }
         };
         let volume = record.volume_id.clone();
@@ -255,7 +255,14 @@ impl Node {
                 record.volume_id
             ))
         })?;
-        let (index, size) = match self.sysfs.find(&id)? {
+        // A record not yet journaled has a fresh identifier no device can carry: no scan.
+        let journaled = self.record(&record.volume_id).is_some();
+        let found = if journaled {
+            self.sysfs.find(&id)?
+        } else {
+            None
+        };
+        let (index, size) = match found {
             Some(found) => {
                 tracing::info!(volume = %record.volume_id, device = %found.index(), "found the device of an interrupted attach");
                 (found.index(), self.sysfs.size_bytes(found.index())?)
@@ -266,13 +273,10 @@ impl Node {
                 opts.read_only = record.mode.read_only();
                 let dialed = nbd::dial::dial(&uri, &opts.dial).await?;
                 check_export_size(&record.volume_id, dialed.info.size)?;
-                // Written ahead: the connections' addresses are what lets a later daemon replace
-                // them, so they are journaled before the kernel gets the sockets.
-                self.set_tcp(
-                    &record.volume_id,
-                    &record.identifier,
-                    tcp_pairs(&dialed.sockets),
-                )?;
+                // Written ahead: the record, and the connections' addresses (what lets a later
+                // daemon replace them), are journaled before the kernel gets the sockets.
+                record.tcp = tcp_pairs(&dialed.sockets);
+                self.save_with_connections(record)?;
                 fail::fail_point!("stage-before-connect");
                 let attached = attach::attach_dialed(&self.nl, &self.sysfs, dialed, &opts)
                     .await
@@ -289,7 +293,12 @@ impl Node {
         fail::fail_point!("stage-after-connect");
         record.device = Some(index.0);
         record.size_bytes = Some(size);
-        Ok(Phase::Attached)
+        // A block volume has nothing to probe, format or mount: staged once attached.
+        Ok(if record.access.is_block() {
+            Phase::Staged
+        } else {
+            Phase::Attached
+        })
     }
 
     /// Decides whether the device needs a filesystem. Never formats anything not blank. The
