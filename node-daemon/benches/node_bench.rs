@@ -261,4 +261,133 @@ async fn main() {
     attach_latency(&server).await;
     restart_and_footprint(&server).await;
     reconnect_time().await;
+    outages_with_default_timeouts().await;
+}
+
+/// What an application and an operator see when the export's server is gone for a while,
+/// with the daemon's default timeouts (io-timeout 30 s, dead-conn-timeout 300 s): the
+/// longest a write waited, whether any failed, and what the volume condition and metrics said
+/// meanwhile. "forever" is a server that does not come back before I/O fails; it is then
+/// started again to see whether the volume recovers.
+async fn outages_with_default_timeouts() {
+    let backing = tempfile::NamedTempFile::new().unwrap();
+    backing.as_file().set_len(SIZE).unwrap();
+    let file = format!("file={}", backing.path().display());
+    let mut server = NbdServer::nbdkit(Listen::Tcp, &["file", &file]).unwrap();
+    let mut daemon = NodeDaemon::new("bench-outage", "").unwrap();
+    let mut c = daemon.start(None).await;
+    let path = staging(&daemon, "outage");
+    let target = daemon.scratch().join("outage-target");
+    let cap = block_capability(Mode::SingleNodeSingleWriter);
+    let uri = server.uri().to_string();
+    c.node
+        .node_stage_volume(stage_request("outage", &path, cap.clone(), &uri))
+        .await
+        .unwrap();
+    c.node
+        .node_publish_volume(publish_request("outage", &path, &target, cap, &uri, false))
+        .await
+        .unwrap();
+    println!("outages, default timeouts (io 30 s, dead connection 300 s), one O_DIRECT writer:");
+    for (label, outage) in [
+        ("1 s", Some(Duration::from_secs(1))),
+        ("30 s", Some(Duration::from_secs(30))),
+        ("5 min", Some(Duration::from_secs(300))),
+        ("forever", None),
+    ] {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let longest = Arc::new(AtomicU64::new(0));
+        let writer = {
+            let (target, stop, longest) = (target.clone(), Arc::clone(&stop), Arc::clone(&longest));
+            std::thread::spawn(move || -> Result<u64, (u64, std::io::Error)> {
+                let f = DirectFile::open(&target, true).map_err(|e| (0, e))?;
+                let mut n = 0u64;
+                let epoch = Instant::now();
+                while !stop.load(Ordering::SeqCst) {
+                    let t = Instant::now();
+                    f.write_at(&pattern(n, 0, 4096), (n % 1024) * 4096)
+                        .map_err(|e| (epoch.elapsed().as_millis() as u64, e))?;
+                    longest.fetch_max(t.elapsed().as_millis() as u64, Ordering::SeqCst);
+                    n += 1;
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Ok(n)
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        server.kill();
+        let killed = Instant::now();
+        tokio::time::sleep(Duration::from_secs(1).min(outage.unwrap_or(Duration::MAX)) / 2).await;
+        let cond = c
+            .node
+            .node_get_volume_stats(stats_request("outage", &target))
+            .await
+            .unwrap()
+            .into_inner()
+            .volume_condition
+            .unwrap();
+        let metrics = daemon.scrape().await;
+        let links_down = metrics
+            .lines()
+            .find(|l| l.starts_with("ustor_csi_node_links_down "))
+            .unwrap_or("ustor_csi_node_links_down ?")
+            .to_owned();
+        let outcome = match outage {
+            Some(d) => {
+                tokio::time::sleep(d.saturating_sub(killed.elapsed())).await;
+                server.start().unwrap();
+                let back = Instant::now();
+                let before = longest.load(Ordering::SeqCst);
+                // Until a write completes after the server is back.
+                let mut waited = Duration::ZERO;
+                while longest.load(Ordering::SeqCst) == before && !writer.is_finished() {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    waited = back.elapsed();
+                    if waited > Duration::from_secs(120) {
+                        break;
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                stop.store(true, Ordering::SeqCst);
+                let result = tokio::task::spawn_blocking(move || writer.join().unwrap())
+                    .await
+                    .unwrap();
+                format!(
+                    "longest write {:.1} s, I/O flowing {:.1} s after the server was back, writer {}",
+                    longest.load(Ordering::SeqCst) as f64 / 1e3,
+                    waited.as_secs_f64(),
+                    match result {
+                        Ok(n) => format!("ok ({n} writes)"),
+                        Err((at, e)) => format!("FAILED after {:.1} s: {e}", at as f64 / 1e3),
+                    }
+                )
+            }
+            None => {
+                let result = tokio::task::spawn_blocking(move || writer.join().unwrap())
+                    .await
+                    .unwrap();
+                let failed = killed.elapsed();
+                server.start().unwrap();
+                tokio::time::sleep(Duration::from_secs(10)).await;
+                let again = DirectFile::open(&target, true)
+                    .and_then(|f| f.write_at(&pattern(1, 0, 4096), 0));
+                format!(
+                    "writer {} after {:.1} s; server started again: a new write {}",
+                    match result {
+                        Ok(_) => "did not fail".to_owned(),
+                        Err((_, e)) => format!("failed ({e})"),
+                    },
+                    failed.as_secs_f64(),
+                    match again {
+                        Ok(()) => "succeeds".to_owned(),
+                        Err(e) => format!("fails ({e})"),
+                    }
+                )
+            }
+        };
+        println!(
+            "  {label:>7}: {outcome}; during it: condition abnormal={} ({}), {links_down}",
+            cond.abnormal, cond.message
+        );
+    }
 }

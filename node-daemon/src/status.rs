@@ -24,6 +24,9 @@ pub struct VolumeStatus {
     pub export: Option<String>,
     pub staging_path: Option<String>,
     pub targets: Vec<String>,
+    /// The device's I/O scheduler; anything but `none` risks link drops on kernels before
+    /// 6.14 (the daemon sets it back within seconds while it runs).
+    pub scheduler: Option<String>,
 }
 
 #[derive(Debug, Serialize)]
@@ -81,11 +84,14 @@ fn volume_status(r: &Record, sysfs: &Sysfs) -> VolumeStatus {
         volume: r.volume_id.clone(),
         device: r.device_index().map(|i| i.to_string()),
         step: format!("{:?}", r.phase).to_lowercase(),
-        kernel,
         identifier: r.identifier.clone(),
         export: r.export.as_ref().map(|e| e.uri.clone()),
         staging_path: r.staging_path.as_ref().map(|p| p.display().to_string()),
         targets: r.targets.keys().map(|p| p.display().to_string()).collect(),
+        scheduler: (kernel == "ok")
+            .then(|| r.device_index().and_then(|i| sysfs.scheduler(i).ok()))
+            .flatten(),
+        kernel,
     }
 }
 
@@ -109,6 +115,14 @@ pub fn render(status: &Status) -> String {
         );
         for t in &v.targets {
             let _ = writeln!(out, "{:<72} -> {t}", "");
+        }
+        if let Some(sched) = v.scheduler.as_deref().filter(|s| *s != "none") {
+            let _ = writeln!(
+                out,
+                "warning: {} of {} uses the {sched} I/O scheduler, not none (links may drop on kernels before 6.14)",
+                v.device.as_deref().unwrap_or("?"),
+                v.volume
+            );
         }
     }
     if status.volumes.is_empty() {

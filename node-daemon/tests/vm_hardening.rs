@@ -405,8 +405,28 @@ async fn a_changed_io_scheduler_is_set_back_to_none() {
     let sysfs = Sysfs::default();
     let index = vol.device(&daemon).unwrap();
     assert_eq!(sysfs.scheduler(index).unwrap(), "none");
+
+    // With the daemon stopped, `status` shows the change.
+    daemon.kill();
     // kyber: a scheduler other than none that both kernel lines have (as a module).
     sysfs.set_scheduler(index, "kyber").unwrap();
+    let out = std::process::Command::new(testkit::daemon::binary())
+        .args([
+            "status",
+            "--json",
+            "--node-id",
+            &daemon.node_id,
+            "--state-dir",
+        ])
+        .arg(&daemon.state_dir)
+        .output()
+        .unwrap();
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
+    assert_eq!(status["volumes"][0]["scheduler"], "kyber", "{status}");
+
+    // The running daemon puts none back.
+    let mut c = daemon.start(None).await;
     let started = Instant::now();
     while sysfs.scheduler(index).unwrap() != "none" {
         assert!(

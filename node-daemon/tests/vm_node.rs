@@ -41,7 +41,15 @@ async fn lifecycle_ext4_xfs_and_block_leaves_nothing_behind() {
         .unwrap()
         .into_inner();
     assert_eq!(info.node_id, "life");
-    assert_eq!(info.max_volumes_per_node, 128, "nbds_max of the module");
+    let nbds_max: i64 = std::fs::read_to_string("/sys/module/nbd/parameters/nbds_max")
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert_eq!(
+        info.max_volumes_per_node, nbds_max,
+        "nbds_max of the module"
+    );
     assert_eq!(
         info.accessible_topology.unwrap().segments["topology.ustor-nbd.csi.mindsw.io/data-plane"],
         "true"
