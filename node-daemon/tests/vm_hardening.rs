@@ -176,6 +176,22 @@ async fn a_stage_that_fails_for_good_leaves_nothing_behind() {
     assert!(!is_mounted(&bad_option.staging));
     assert_clean(&daemon);
 
+    // Something else is mounted on the staging path: refused, and that mount is left alone.
+    let occupied = Volume::new(&daemon, "occupied", 64 * MIB, ext4());
+    nix::mount::mount(
+        Some("tmpfs"),
+        &occupied.staging,
+        Some("tmpfs"),
+        nix::mount::MsFlags::empty(),
+        None::<&str>,
+    )
+    .unwrap();
+    let err = occupied.stage(&mut c).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{}", err.message());
+    assert!(is_mounted(&occupied.staging), "the foreign mount stays");
+    mounts::ops::unmount(&occupied.staging).unwrap();
+    assert_clean(&daemon);
+
     // A retriable failure keeps nothing either when no device was attached.
     let mut gone = Volume::new(&daemon, "gone", 64 * MIB, ext4());
     gone.server.kill();

@@ -530,12 +530,12 @@ impl Node {
     /// call holds), so dirty data reaches the export before the device goes.
     pub(crate) async fn run_unstage(&self, record: Record) -> Result<(), NodeError> {
         if let (Access::Mount { .. }, Some(staging)) = (&record.access, &record.staging_path) {
-            let staging = staging.clone();
-            off_runtime("unmount", move || {
-                while mounts::ops::unmount(&staging)? {}
-                Ok(())
-            })
-            .await?;
+            while self.volume_mounted_at(&record, staging)? {
+                let path = staging.clone();
+                if !off_runtime("unmount", move || Ok(mounts::ops::unmount(&path)?)).await? {
+                    break; // the kernel says nothing is mounted there after all
+                }
+            }
         }
         fail::fail_point!("unstage-after-unmount");
         if let Some(device) = self.proven_device(&record)? {
@@ -595,6 +595,26 @@ impl Node {
                     record.volume_id
                 ))
             })
+    }
+
+    /// Whether the top mount at `path` is this volume's: from its proven device, or, when the
+    /// device is gone, from an nbd device that no longer carries any identifier (a mount the
+    /// lost device left behind). Anything else mounted there is not ours to remove.
+    fn volume_mounted_at(&self, record: &Record, path: &Path) -> Result<bool, NodeError> {
+        let table = MountTable::read()?;
+        let Some(top) = table.at(path).last() else {
+            return Ok(false);
+        };
+        if let Some(device) = self.proven_device(record)? {
+            let dev = self.sysfs.dev_path(device.index());
+            return Ok(device_numbers(&dev) == Some((top.major, top.minor)));
+        }
+        let stale = top.source.starts_with("/dev/nbd")
+            && top
+                .source
+                .parse::<DeviceIndex>()
+                .is_ok_and(|index| matches!(self.sysfs.backend(index), Ok(None)));
+        Ok(stale)
     }
 
     /// Whether the filesystem on `dev` is mounted at `path`.
