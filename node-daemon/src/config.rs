@@ -79,7 +79,7 @@ impl Settings {
             state_dir: DEFAULT_STATE_DIR.into(),
             node_id,
             registration_dir: Some(DEFAULT_REGISTRATION_DIR.into()),
-            io_timeout: Duration::from_secs(30),
+            io_timeout: nbd::attach::DEFAULT_IO_TIMEOUT,
             dead_conn_timeout: nbd::attach::DEFAULT_DEAD_CONN_TIMEOUT,
             dial_timeout: Duration::from_secs(10),
             max_volumes: None,
@@ -165,6 +165,9 @@ mod tests {
     #[test]
     fn file_overrides_defaults() {
         let mut s = Settings::defaults("n".into());
+        // The one set of defaults the library, nbdctl and the daemon share (see README).
+        assert_eq!(s.io_timeout, Duration::from_secs(10));
+        assert_eq!(s.dead_conn_timeout, Duration::from_secs(300));
         let f: FileConfig = toml::from_str(
             r#"
             csi-endpoint = "unix:///run/csi/x.sock"

@@ -64,6 +64,19 @@ pub fn still_established(known: &[TcpConnection]) -> Vec<TcpConnection> {
     live
 }
 
+/// Whether a device with connections `known` may have a dead slot, after a restart: unless
+/// every one of them is a TCP connection the kernel shows established, it may (unix sockets
+/// and a kernel that cannot tell included), and the device is given fresh connections.
+pub fn may_have_dead_slot(known: &[TcpConnection]) -> bool {
+    known.is_empty()
+        || known.iter().any(|c| {
+            !matches!(
+                nbd::sockdiag::tcp_established(c.local, c.peer),
+                Ok(Some(true))
+            )
+        })
+}
+
 /// Whether any of `known` is provably closed: a slot of the device is dead (the healer may
 /// have missed its LINK_DEAD). `false` when the kernel cannot tell.
 pub fn any_closed(known: &[TcpConnection]) -> bool {

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use nbd::netlink::LinkDeadEvents;
 
-use crate::connections::{any_closed, offer_new_connections};
+use crate::connections::{any_closed, may_have_dead_slot, offer_new_connections};
 use crate::node::{Link, Node};
 
 // A refused dial is cheap: retry often at first, so I/O resumes soon after the export is back;
@@ -98,13 +98,16 @@ impl Healer {
         })
     }
 
-    /// After a restart: give every device fresh connections once. The kernel puts them into
-    /// dead slots only and drops the rest, so this heals a link that died while the daemon
-    /// was down (its LINK_DEAD went unheard) and costs a live one nothing. Runs before
+    /// After a restart: give fresh connections once to every device that may have a dead
+    /// slot (a link that died while the daemon was down: its LINK_DEAD went unheard). The
+    /// kernel puts them into dead slots only and drops the rest, so this costs a live link
+    /// nothing but a dial; devices whose TCP connections are all established are skipped, so
+    /// a restart with hundreds of healthy volumes does not redial them all. Runs before
     /// recovery does any device I/O, which would otherwise wait on such a link.
     pub fn refresh_all(self: &Arc<Self>, node: &Arc<Node>) {
         for record in node.records() {
-            if record.export.is_some() && record.device.is_some() {
+            if record.export.is_some() && record.device.is_some() && may_have_dead_slot(&record.tcp)
+            {
                 Arc::clone(self).heal(Arc::clone(node), record.volume_id, false);
             }
         }

@@ -37,7 +37,7 @@ enum Command {
         #[arg(long, default_value_t = 1)]
         connections: u8,
         /// Per-request timeout in seconds; 0 disables it.
-        #[arg(long, default_value_t = 30)]
+        #[arg(long, default_value_t = nbd::attach::DEFAULT_IO_TIMEOUT.as_secs())]
         io_timeout: u64,
         /// Seconds I/O waits for a reconnect after the link dies.
         #[arg(long, default_value_t = nbd::attach::DEFAULT_DEAD_CONN_TIMEOUT.as_secs())]
