@@ -62,6 +62,10 @@ enum Command {
         /// ustor: CA certificate of the management API (PEM).
         #[arg(long)]
         ustor_ca: Option<PathBuf>,
+        /// ustor: allow an http:// management API (the password would cross the network in
+        /// clear text); for test setups only.
+        #[arg(long)]
+        ustor_allow_insecure_http: bool,
         /// ustor: pool of volumes whose StorageClass names none.
         #[arg(long, default_value = "data")]
         ustor_pool: String,
@@ -86,6 +90,7 @@ fn main() -> Result<()> {
         ustor_url,
         ustor_credentials,
         ustor_ca,
+        ustor_allow_insecure_http,
         ustor_pool,
     } = Cli::parse().command;
     valid_cluster_id(&cluster_id).map_err(anyhow::Error::msg)?;
@@ -102,8 +107,15 @@ fn main() -> Result<()> {
         .enable_all()
         .build()?
         .block_on(async move {
-            let stop = async {
-                let _ = tokio::signal::ctrl_c().await;
+            // SIGTERM is how Kubernetes stops the container; SIGINT for a terminal.
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+            let stop = async move {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+                tracing::info!("stopping");
             };
             let mut background = Vec::new();
             let backend: Arc<dyn Backend> = match backend {
@@ -125,6 +137,7 @@ fn main() -> Result<()> {
                 BackendKind::Ustor => {
                     let url = ustor_url
                         .ok_or_else(|| anyhow::anyhow!("--backend ustor needs --ustor-url"))?;
+                    check_ustor_url(&url, ustor_allow_insecure_http)?;
                     let ca = ustor_ca.map(std::fs::read).transpose()?;
                     let api = Arc::new(UstorApi::new(
                         &url,
@@ -153,4 +166,33 @@ fn main() -> Result<()> {
             }
             result
         })
+}
+
+/// The management API carries the uStor password: https only, unless explicitly allowed.
+fn check_ustor_url(url: &str, allow_http: bool) -> Result<()> {
+    let lower = url.to_ascii_lowercase();
+    if lower.starts_with("https://") || (allow_http && lower.starts_with("http://")) {
+        return Ok(());
+    }
+    if lower.starts_with("http://") {
+        anyhow::bail!(
+            "--ustor-url {url} is plain http: the uStor password would cross the network in clear text; \
+             use https, or --ustor-allow-insecure-http for a test setup"
+        );
+    }
+    anyhow::bail!("--ustor-url {url} must be an https:// URL")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_ustor_url;
+
+    #[test]
+    fn plain_http_needs_an_explicit_flag() {
+        assert!(check_ustor_url("https://ustor:23004", false).is_ok());
+        let err = check_ustor_url("http://ustor:23004", false).unwrap_err();
+        assert!(err.to_string().contains("clear text"), "{err}");
+        assert!(check_ustor_url("http://ustor:23004", true).is_ok());
+        assert!(check_ustor_url("ftp://ustor", true).is_err());
+    }
 }

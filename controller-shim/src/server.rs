@@ -19,16 +19,7 @@ pub async fn serve(
     cluster_id: String,
     stop: impl std::future::Future<Output = ()>,
 ) -> Result<()> {
-    if let Some(dir) = socket.parent() {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
-    if socket.exists() {
-        std::fs::remove_file(socket)
-            .with_context(|| format!("removing stale {}", socket.display()))?;
-    }
-    let listener = tokio::net::UnixListener::bind(socket)
-        .with_context(|| format!("binding {}", socket.display()))?;
-    std::fs::set_permissions(socket, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+    let listener = csi_proto::socket::bind(socket).context("the CSI socket")?;
     tonic::transport::Server::builder()
         .add_service(IdentityServer::new(IdentityService))
         .add_service(ControllerServer::new(ControllerService::new(
@@ -36,5 +27,6 @@ pub async fn serve(
         )))
         .serve_with_incoming_shutdown(UnixListenerStream::new(listener), stop)
         .await?;
+    let _ = std::fs::remove_file(socket);
     Ok(())
 }

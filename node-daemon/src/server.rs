@@ -8,7 +8,6 @@
 //! Shutdown stops serving and removes the sockets; it never touches a device: the kernel owns
 //! the data path, and a restart must not interrupt I/O.
 
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -154,26 +153,7 @@ async fn open_netlink() -> Result<NbdNetlink> {
     }
 }
 
-/// Binds a unix socket at `path`, mode 0600. A stale socket left by a crash is removed; a
-/// live one (another daemon answering there) or a non-socket file is an error.
+/// Binds a unix socket at `path` (see [`csi_proto::socket::bind`]).
 pub fn bind_socket(path: &Path) -> Result<UnixListener> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
-    match std::fs::symlink_metadata(path) {
-        Ok(meta) if meta.file_type().is_socket() => {
-            if std::os::unix::net::UnixStream::connect(path).is_ok() {
-                anyhow::bail!("{} is in use by another process", path.display());
-            }
-            std::fs::remove_file(path)
-                .with_context(|| format!("removing stale {}", path.display()))?;
-        }
-        Ok(_) => anyhow::bail!("{} exists and is not a socket", path.display()),
-        Err(_) => {}
-    }
-    let listener =
-        UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
-        .with_context(|| format!("chmod {}", path.display()))?;
-    Ok(listener)
+    Ok(csi_proto::socket::bind(path)?)
 }

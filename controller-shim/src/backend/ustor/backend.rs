@@ -177,15 +177,9 @@ impl Backend for UstorBackend {
         let image = self.image(key).await?.ok_or_else(|| {
             ControllerError::NotFound(format!("uStor image {key} does not exist"))
         })?;
-        let host = if image.nbd.host.contains(':') {
-            format!("[{}]", image.nbd.host)
-        } else {
-            image.nbd.host
-        };
-        Ok(format!(
-            "nbd://{host}:{}/{}",
-            image.nbd.port, image.nbd.export
-        ))
+        // NbdUri brackets an IPv6 host and percent-encodes the export name (uStor's may hold
+        // characters a URI path cannot).
+        Ok(nbd::NbdUri::tcp(image.nbd.host, image.nbd.port, image.nbd.export).to_string())
     }
 
     async fn volume(&self, key: &str) -> Result<Option<VolumeMeta>, ControllerError> {
