@@ -6,10 +6,9 @@
 //! volume's connections), then gets ABORTED and retries with back-off. The healer waits its
 //! turn instead of failing.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use csi_proto::locks::KeyedLocks;
 use tokio::sync::OwnedMutexGuard;
 
 use crate::error::NodeError;
@@ -18,35 +17,31 @@ pub type VolumeGuard = OwnedMutexGuard<()>;
 
 #[derive(Debug, Default)]
 pub struct VolumeLocks {
-    map: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    locks: KeyedLocks,
 }
 
 impl VolumeLocks {
-    fn entry(&self, volume: &str) -> Arc<tokio::sync::Mutex<()>> {
-        let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
-        Arc::clone(map.entry(volume.to_owned()).or_default())
-    }
-
     /// For CSI calls: the lock within `patience`, or ABORTED.
     pub async fn lock_within(
         &self,
         volume: &str,
         patience: Duration,
     ) -> Result<VolumeGuard, NodeError> {
-        tokio::time::timeout(patience, self.entry(volume).lock_owned())
+        tokio::time::timeout(patience, self.locks.lock(volume))
             .await
             .map_err(|_| NodeError::Busy(volume.to_owned()))
     }
 
     /// For background work: waits for the lock.
     pub async fn lock(&self, volume: &str) -> VolumeGuard {
-        self.entry(volume).lock_owned().await
+        self.locks.lock(volume).await
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
 
     const SHORT: Duration = Duration::from_millis(50);
 

@@ -15,6 +15,7 @@ pub mod registration {
 }
 
 pub mod capability;
+pub mod locks;
 pub mod socket;
 
 /// The CSI driver name, as CSIDriver objects, StorageClasses and PVs spell it; one definition

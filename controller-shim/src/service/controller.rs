@@ -11,7 +11,7 @@ use csi_proto::csi::controller_service_capability::{Rpc as RpcCap, Type as CapTy
 use csi_proto::csi::volume_capability::access_mode::Mode;
 use csi_proto::csi::volume_content_source::{SnapshotSource, Type as SourceType, VolumeSource};
 use csi_proto::csi::*;
-use tokio::sync::Mutex;
+use csi_proto::locks::KeyedLocks;
 use tonic::{Request, Response, Status};
 
 use crate::backend::{Backend, SnapshotMeta, Source, VolumeMeta};
@@ -30,8 +30,9 @@ const PARAMETERS: &[&str] = &["pool", "nbdConnections"];
 pub struct ControllerService {
     backend: Arc<dyn Backend>,
     cluster_id: String,
-    /// One mutating call at a time: the sidecars retry, and correctness beats parallelism here.
-    serial: Mutex<()>,
+    /// One mutating call per image at a time (`v:<key>` volumes, `s:<key>` snapshots): a
+    /// long copy for a clone holds its own images, not every other call.
+    images: KeyedLocks,
 }
 
 impl ControllerService {
@@ -39,7 +40,7 @@ impl ControllerService {
         Self {
             backend,
             cluster_id,
-            serial: Mutex::new(()),
+            images: KeyedLocks::default(),
         }
     }
 
@@ -190,7 +191,13 @@ impl ControllerService {
                 )));
             }
         }
-        let _serial = self.serial.lock().await;
+        let mut keys = vec![format!("v:{image}")];
+        match &source {
+            Some(Source::Snapshot(s)) => keys.push(format!("s:{s}")),
+            Some(Source::Volume(v)) => keys.push(format!("v:{v}")),
+            None => {}
+        }
+        let _locked = self.images.lock_all(&keys).await;
         if let Some(existing) = self.backend.volume(&image).await? {
             let same = existing.name == r.name
                 && existing.parameters == parameters
@@ -232,7 +239,7 @@ impl ControllerService {
             }
             other => other?,
         };
-        let _serial = self.serial.lock().await;
+        let _locked = self.images.lock(&format!("v:{}", h.image)).await;
         if let Some(meta) = self.backend.volume(&h.image).await? {
             if !meta.published.is_empty() {
                 return Err(ControllerError::FailedPrecondition(format!(
@@ -262,7 +269,7 @@ impl ControllerService {
             .as_ref()
             .ok_or_else(|| ControllerError::invalid("volume_capability is required"))?;
         let mode = check_capability(cap)?;
-        let _serial = self.serial.lock().await;
+        let _locked = self.images.lock(&format!("v:{}", h.image)).await;
         let mut meta = self.existing_volume(&h).await?;
         match meta.published.get(&r.node_id) {
             Some(ro) if *ro != r.readonly => {
@@ -305,7 +312,7 @@ impl ControllerService {
         r: ControllerUnpublishVolumeRequest,
     ) -> Result<ControllerUnpublishVolumeResponse, ControllerError> {
         let h = self.volume_handle(&r.volume_id)?;
-        let _serial = self.serial.lock().await;
+        let _locked = self.images.lock(&format!("v:{}", h.image)).await;
         // A volume or node that is gone is unpublished: OK, per the spec's idempotency rule.
         if let Some(mut meta) = self.backend.volume(&h.image).await? {
             let removed = if r.node_id.is_empty() {
@@ -334,7 +341,10 @@ impl ControllerService {
                 r.parameters.keys().collect::<Vec<_>>()
             )));
         }
-        let _serial = self.serial.lock().await;
+        let _locked = self
+            .images
+            .lock_all(&[format!("s:{image}"), format!("v:{}", source.image)])
+            .await;
         if let Some(existing) = self.backend.snapshot(&image).await? {
             // The snapshot's image is derived from its name, so the name matches already.
             if existing.source_image != source.image {
@@ -429,7 +439,7 @@ impl ControllerService {
         if let Some(cap) = &r.volume_capability {
             check_capability(cap)?;
         }
-        let _serial = self.serial.lock().await;
+        let _locked = self.images.lock(&format!("v:{}", h.image)).await;
         let meta = self.existing_volume(&h).await?;
         let size = self.size_for(Some(range), meta.size)?;
         if size > meta.size {
@@ -646,7 +656,7 @@ impl Controller for ControllerService {
                 }
                 other => other?,
             };
-            let _serial = self.serial.lock().await;
+            let _locked = self.images.lock(&format!("s:{}", h.image)).await;
             self.backend.delete_snapshot(&h.image).await?;
             Ok(DeleteSnapshotResponse {})
         }
