@@ -206,6 +206,71 @@ async fn provisioning_on_ustor() {
         .unwrap()
         .into_inner();
     assert_eq!(cap.available_capacity, 1 << 39);
+    // The pool a StorageClass names, not the default one.
+    let cap = c
+        .get_capacity(GetCapacityRequest {
+            parameters: [("pool".to_owned(), "fast".to_owned())].into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        cap.available_capacity,
+        1 << 38,
+        "the fast pool's free bytes"
+    );
+    let err = c
+        .get_capacity(GetCapacityRequest {
+            parameters: [("pool".to_owned(), "Not A Pool".to_owned())].into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    // Snapshots of a volume in another pool are listed from that pool.
+    let fast = c
+        .create_volume(create("pvc-fast", 100 * MIB, Some("fast")))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    let fast_snap = c
+        .create_snapshot(CreateSnapshotRequest {
+            source_volume_id: fast.volume_id.clone(),
+            name: "snap-fast".into(),
+            parameters: HashMap::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .snapshot
+        .unwrap();
+    assert!(fast_snap.snapshot_id.starts_with("ustor:snapshot:fast/"));
+    for request in [
+        ListSnapshotsRequest {
+            source_volume_id: fast.volume_id.clone(),
+            ..Default::default()
+        },
+        ListSnapshotsRequest {
+            snapshot_id: fast_snap.snapshot_id.clone(),
+            ..Default::default()
+        },
+    ] {
+        let listed = c.list_snapshots(request).await.unwrap().into_inner();
+        assert_eq!(listed.entries.len(), 1, "found in the fast pool");
+    }
+    c.delete_snapshot(DeleteSnapshotRequest {
+        snapshot_id: fast_snap.snapshot_id,
+    })
+    .await
+    .unwrap();
+    c.delete_volume(DeleteVolumeRequest {
+        volume_id: fast.volume_id,
+    })
+    .await
+    .unwrap();
 
     for id in [&v.volume_id, &v.volume_id, &restored.volume_id] {
         c.delete_volume(DeleteVolumeRequest {

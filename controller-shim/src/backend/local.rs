@@ -251,7 +251,10 @@ impl Backend for LocalBackend {
         Self::remove(&self.snapshot_path(image))
     }
 
-    async fn snapshots(&self) -> Result<Vec<(String, SnapshotMeta)>, ControllerError> {
+    async fn snapshots(
+        &self,
+        _near: Option<&str>,
+    ) -> Result<Vec<(String, SnapshotMeta)>, ControllerError> {
         let mut out = Vec::new();
         for entry in fs::read_dir(self.root.join("meta"))? {
             let name = entry?.file_name();
@@ -269,7 +272,10 @@ impl Backend for LocalBackend {
         Ok(out)
     }
 
-    async fn capacity(&self) -> Result<Option<u64>, ControllerError> {
+    async fn capacity(
+        &self,
+        _parameters: &std::collections::BTreeMap<String, String>,
+    ) -> Result<Option<u64>, ControllerError> {
         let s = nix::sys::statvfs::statvfs(&self.root)
             .map_err(|e| ControllerError::Backend(e.to_string()))?;
         Ok(Some(s.blocks_available() * s.fragment_size()))

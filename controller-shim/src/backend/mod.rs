@@ -83,9 +83,18 @@ pub trait Backend: Send + Sync + fmt::Debug {
     ) -> Result<(), ControllerError>;
     /// Idempotent.
     async fn delete_snapshot(&self, image: &str) -> Result<(), ControllerError>;
-    /// Every snapshot, by image name.
-    async fn snapshots(&self) -> Result<Vec<(String, SnapshotMeta)>, ControllerError>;
+    /// Every snapshot, by image name. `near` is an image key the caller filters by (a
+    /// snapshot's, or a source volume's): a backend with pools looks in that key's pool,
+    /// else in its default one.
+    async fn snapshots(
+        &self,
+        near: Option<&str>,
+    ) -> Result<Vec<(String, SnapshotMeta)>, ControllerError>;
 
-    /// Bytes available for new volumes, if the backend can tell.
-    async fn capacity(&self) -> Result<Option<u64>, ControllerError>;
+    /// Bytes available for new volumes with these StorageClass parameters (a pool), if the
+    /// backend can tell.
+    async fn capacity(
+        &self,
+        parameters: &BTreeMap<String, String>,
+    ) -> Result<Option<u64>, ControllerError>;
 }

@@ -381,14 +381,23 @@ impl ControllerService {
         if r.max_entries < 0 {
             return Err(ControllerError::invalid("max_entries must not be negative"));
         }
-        let mut all = self.backend.snapshots().await?;
-        if !r.snapshot_id.is_empty() {
-            // An id of another backend or a malformed one simply matches nothing.
-            let wanted = Handle::parse(&r.snapshot_id, self.backend.name(), Kind::Snapshot).ok();
+        // An id of another backend or a malformed one simply matches nothing.
+        let by_id = (!r.snapshot_id.is_empty())
+            .then(|| Handle::parse(&r.snapshot_id, self.backend.name(), Kind::Snapshot).ok());
+        let by_source = (!r.source_volume_id.is_empty())
+            .then(|| Handle::parse(&r.source_volume_id, self.backend.name(), Kind::Volume).ok());
+        // The pool to look in is the one the filter's id names.
+        let near = by_id
+            .iter()
+            .chain(by_source.iter())
+            .flatten()
+            .map(|h| h.image.clone())
+            .next();
+        let mut all = self.backend.snapshots(near.as_deref()).await?;
+        if let Some(wanted) = &by_id {
             all.retain(|(image, _)| wanted.as_ref().is_some_and(|w| &w.image == image));
         }
-        if !r.source_volume_id.is_empty() {
-            let wanted = Handle::parse(&r.source_volume_id, self.backend.name(), Kind::Volume).ok();
+        if let Some(wanted) = &by_source {
             all.retain(|(_, m)| wanted.as_ref().is_some_and(|w| w.image == m.source_image));
         }
         let start = if r.starting_token.is_empty() {
@@ -599,13 +608,19 @@ impl Controller for ControllerService {
 
     async fn get_capacity(
         &self,
-        _: Request<GetCapacityRequest>,
+        r: Request<GetCapacityRequest>,
     ) -> Result<Response<GetCapacityResponse>, Status> {
-        let result = self.backend.capacity().await.map(|c| GetCapacityResponse {
-            available_capacity: c.unwrap_or_default() as i64,
-            maximum_volume_size: None,
-            minimum_volume_size: Some(self.backend.granularity() as i64),
-        });
+        let r = r.into_inner();
+        let result = async {
+            let parameters = parameters(&r.parameters)?;
+            let available = self.backend.capacity(&parameters).await?;
+            Ok(GetCapacityResponse {
+                available_capacity: available.unwrap_or_default() as i64,
+                maximum_volume_size: None,
+                minimum_volume_size: Some(self.backend.granularity() as i64),
+            })
+        }
+        .await;
         answer("GetCapacity", result)
     }
 

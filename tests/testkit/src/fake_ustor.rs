@@ -178,7 +178,9 @@ async fn pool(State(s): St, headers: HeaderMap, Path(pool): Path<String>) -> Res
     if !authorized(&s, &headers) {
         return expired();
     }
-    Json(json!({"name": pool, "totalBytes": 1u64 << 40, "freeBytes": 1u64 << 39})).into_response()
+    // Pools differ, so a test can tell which one was asked.
+    let free: u64 = if pool == "data" { 1 << 39 } else { 1 << 38 };
+    Json(json!({"name": pool, "totalBytes": 1u64 << 40, "freeBytes": free})).into_response()
 }
 
 async fn create_image(

@@ -256,8 +256,13 @@ impl Backend for UstorBackend {
             .await
     }
 
-    async fn snapshots(&self) -> Result<Vec<(String, SnapshotMeta)>, ControllerError> {
-        let pool = &self.default_pool;
+    async fn snapshots(
+        &self,
+        near: Option<&str>,
+    ) -> Result<Vec<(String, SnapshotMeta)>, ControllerError> {
+        let pool = near
+            .and_then(|key| key.split_once('/'))
+            .map_or(self.default_pool.as_str(), |(p, _)| p);
         let list = self
             .api
             .call::<Snapshots, Value>(
@@ -276,8 +281,12 @@ impl Backend for UstorBackend {
         Ok(out)
     }
 
-    async fn capacity(&self) -> Result<Option<u64>, ControllerError> {
-        let pool = &self.default_pool;
+    async fn capacity(
+        &self,
+        parameters: &BTreeMap<String, String>,
+    ) -> Result<Option<u64>, ControllerError> {
+        let pool = parameters.get("pool").unwrap_or(&self.default_pool);
+        crate::ids::valid_pool(pool)?;
         Ok(self
             .api
             .call::<Pool, Value>(Method::GET, &format!("/api/v1/pools/{pool}"), None)
