@@ -106,8 +106,13 @@ impl Healer {
     /// recovery does any device I/O, which would otherwise wait on such a link.
     pub fn refresh_all(self: &Arc<Self>, node: &Arc<Node>) {
         for record in node.records() {
-            if record.export.is_some() && record.device.is_some() && may_have_dead_slot(&record.tcp)
-            {
+            if record.export.is_none() || record.device.is_none() {
+                continue;
+            }
+            if any_closed(&record.tcp) {
+                // Provably dead: reported as down from the start.
+                Arc::clone(self).heal(Arc::clone(node), record.volume_id, true);
+            } else if may_have_dead_slot(&record.tcp) {
                 Arc::clone(self).heal(Arc::clone(node), record.volume_id, false);
             }
         }

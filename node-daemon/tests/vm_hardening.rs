@@ -542,3 +542,80 @@ impl MountTableView {
         self.0.at(path).count()
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn a_link_that_died_while_the_daemon_was_down_is_reported_and_healed() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let mut daemon = NodeDaemon::new("unheard", CONFIG).unwrap();
+    let mut c = daemon.start(None).await;
+    let mut vol = Volume::new_on(&daemon, "unheard", 64 * MIB, block(), Listen::Tcp);
+    vol.up(&mut c).await;
+    let done = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (target, done) = (vol.target.clone(), Arc::clone(&done));
+        std::thread::spawn(move || -> std::io::Result<u64> {
+            let f = DirectFile::open(&target, true)?;
+            let mut n = 0u64;
+            while !done.load(Ordering::SeqCst) {
+                f.write_at(&pattern(n, 0, 64 * 1024), (n % 256) * 64 * 1024)?;
+                n += 1;
+            }
+            f.sync()?;
+            Ok(n)
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The link dies while nobody listens for its LINK_DEAD.
+    daemon.kill();
+    vol.server.kill();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let started = Instant::now();
+    let mut c = daemon.start(None).await;
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "start-up does not wait for the dead link"
+    );
+    let condition = |c: &mut NodeClients| {
+        let mut node = c.node.clone();
+        let req = stats_request(&vol.id, &vol.target);
+        async move {
+            node.node_get_volume_stats(req)
+                .await
+                .unwrap()
+                .into_inner()
+                .volume_condition
+                .unwrap()
+        }
+    };
+    let waiting = Instant::now();
+    loop {
+        let cond = condition(&mut c).await;
+        if cond.abnormal {
+            assert!(cond.message.contains("lost"), "{}", cond.message);
+            break;
+        }
+        assert!(
+            waiting.elapsed() < Duration::from_secs(20),
+            "the dead link was never reported"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    vol.server.start().unwrap();
+    let healing = Instant::now();
+    while condition(&mut c).await.abnormal {
+        assert!(healing.elapsed() < Duration::from_secs(30), "never healed");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    done.store(true, Ordering::SeqCst);
+    let writes = tokio::task::spawn_blocking(move || writer.join().unwrap())
+        .await
+        .unwrap()
+        .expect("no I/O error across the unheard link loss");
+    assert!(writes > 0);
+    block_round_trip(&vol, 8 * MIB, 21);
+    vol.down(&mut c).await;
+    assert_clean(&daemon);
+}
