@@ -619,3 +619,47 @@ async fn a_link_that_died_while_the_daemon_was_down_is_reported_and_healed() {
     vol.down(&mut c).await;
     assert_clean(&daemon);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn unknown_volumes_are_not_found_and_block_takes_the_guides_modes() {
+    let mut daemon = NodeDaemon::new("codes", CONFIG).unwrap();
+    let mut c = daemon.start(None).await;
+    // csi-sanity: an unknown volume is NOT_FOUND whatever else is wrong with the request.
+    let err = c
+        .node
+        .node_get_volume_stats(csi_proto::csi::NodeGetVolumeStatsRequest {
+            volume_id: "nobody".into(),
+            volume_path: "some/relative/path".into(),
+            staging_target_path: String::new(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound, "{}", err.message());
+    let mut expand = expand_request("nobody", Path::new("/x"), Path::new("/y"), 0);
+    expand.volume_path = "relative".into();
+    let err = c.node.node_expand_volume(expand).await.unwrap_err();
+    assert_eq!(err.code(), Code::NotFound, "{}", err.message());
+
+    // Block volumes: ReadWriteOncePod or ReadWriteMany; the refusal says what to use.
+    let vol = Volume::new(&daemon, "rwo-block", 16 * MIB, block());
+    for mode in [Mode::SingleNodeWriter, Mode::MultiNodeReaderOnly] {
+        let err = c
+            .node
+            .node_stage_volume(stage_request(
+                &vol.id,
+                &vol.staging,
+                block_capability(mode),
+                &vol.uri(),
+            ))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument, "{mode:?}");
+        assert!(
+            err.message().contains("ReadWriteOncePod"),
+            "{}",
+            err.message()
+        );
+    }
+    assert_clean(&daemon);
+}
