@@ -24,4 +24,5 @@ pub mod request;
 pub mod server;
 pub mod service;
 pub mod status;
+pub mod systemd;
 pub mod volumes;

@@ -213,6 +213,14 @@ impl Node {
         self.metrics.volumes.set(records.len() as i64);
     }
 
+    /// Volumes whose link is down right now.
+    pub fn links_down(&self) -> usize {
+        lock(&self.links)
+            .values()
+            .filter(|l| matches!(l, Link::Down { .. }))
+            .count()
+    }
+
     pub fn link(&self, volume: &str) -> Link {
         lock(&self.links).get(volume).cloned().unwrap_or(Link::Up)
     }

@@ -103,8 +103,15 @@ pub async fn run(settings: Settings) -> Result<()> {
         None => None,
     };
 
+    crate::systemd::ready(&node);
+    let watchdog = crate::systemd::spawn_watchdog(Arc::clone(&node));
+
     wait_for_signal().await?;
     tracing::info!("stopping; attached devices stay attached");
+    crate::systemd::stopping();
+    if let Some(w) = watchdog {
+        w.abort();
+    }
     let _ = stop_tx.send(true);
     healing.abort();
     csi_server.await??;

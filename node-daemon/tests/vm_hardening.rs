@@ -663,3 +663,69 @@ async fn unknown_volumes_are_not_found_and_block_takes_the_guides_modes() {
     }
     assert_clean(&daemon);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn systemd_hears_ready_status_and_watchdog_keep_alives() {
+    use std::os::unix::net::UnixDatagram;
+    let mut daemon = NodeDaemon::new("notify", CONFIG).unwrap();
+    let socket = daemon.scratch().join("notify.sock");
+    let listener = UnixDatagram::bind(&socket).unwrap();
+    listener
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    daemon.env = vec![
+        ("NOTIFY_SOCKET".into(), socket.display().to_string()),
+        ("WATCHDOG_USEC".into(), "1000000".into()),
+    ];
+    let mut c = daemon.start(None).await;
+    let vol = Volume::new(&daemon, "notified", 16 * MIB, block());
+    vol.up(&mut c).await;
+    let mut messages = Vec::new();
+    let mut buf = [0u8; 4096];
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(3) {
+        let n = listener.recv(&mut buf).unwrap();
+        messages.push(String::from_utf8_lossy(&buf[..n]).into_owned());
+    }
+    assert!(
+        messages[0].contains("READY=1") && messages[0].contains("0 volume(s) attached"),
+        "{messages:?}"
+    );
+    let keep_alives = messages.iter().filter(|m| m.contains("WATCHDOG=1")).count();
+    assert!(keep_alives >= 3, "every half second: {messages:?}");
+    assert!(
+        messages.iter().any(|m| m.contains("1 volume(s) attached")),
+        "{messages:?}"
+    );
+    // A stopped daemon sends nothing: the keep-alive is not a timer of its own.
+    let pid = std::process::Command::new("pidof")
+        .arg("ustor-csi-node")
+        .output()
+        .unwrap();
+    let pid: i32 = String::from_utf8_lossy(&pid.stdout).trim().parse().unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGSTOP,
+    )
+    .unwrap();
+    while listener
+        .set_read_timeout(Some(Duration::from_millis(100)))
+        .is_ok()
+        && listener.recv(&mut buf).is_ok()
+    {}
+    listener
+        .set_read_timeout(Some(Duration::from_secs(2)))
+        .unwrap();
+    assert!(
+        listener.recv(&mut buf).is_err(),
+        "no keep-alive while stopped"
+    );
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGCONT,
+    )
+    .unwrap();
+    vol.down(&mut c).await;
+    assert_clean(&daemon);
+}

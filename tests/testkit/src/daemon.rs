@@ -25,6 +25,8 @@ pub struct NodeDaemon {
     pub registration_dir: PathBuf,
     /// Where the daemon serves `/metrics`.
     pub metrics: std::net::SocketAddr,
+    /// Extra environment for the next starts (e.g. systemd's NOTIFY_SOCKET).
+    pub env: Vec<(String, String)>,
     config: PathBuf,
     child: Option<Child>,
     dir: tempfile::TempDir,
@@ -46,6 +48,7 @@ impl NodeDaemon {
             socket: dir.path().join("plugin/csi.sock"),
             registration_dir: dir.path().join("plugins_registry"),
             metrics,
+            env: Vec::new(),
             config: config_path,
             child: None,
             dir,
@@ -78,6 +81,7 @@ impl NodeDaemon {
             )
             .env("NO_COLOR", "1")
             .stdin(Stdio::null());
+        cmd.envs(self.env.iter().map(|(k, v)| (k, v)));
         match failpoints {
             Some(f) => cmd.env("USTOR_FAILPOINTS", f),
             None => cmd.env_remove("USTOR_FAILPOINTS"),
