@@ -126,13 +126,25 @@ impl Healer {
             let Some(index) = record.device_index() else {
                 continue;
             };
-            if !record.tcp.is_empty() && any_closed(&record.tcp) {
+            if !record.tcp.is_empty()
+                && !self.is_healing_dead_link(&record.volume_id)
+                && any_closed(&record.tcp)
+            {
                 tracing::warn!(volume = %record.volume_id, device = %index, "a connection is closed and no LINK_DEAD was heard; reconnecting");
                 Arc::clone(self).heal(Arc::clone(node), record.volume_id.clone(), true);
             }
             node.keep_scheduler(&record);
         }
         node.prepare_idle_devices();
+    }
+
+    /// Whether a task is already healing `volume` as a dead link (a refresh is not).
+    fn is_healing_dead_link(&self, volume: &str) -> bool {
+        self.running
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(volume)
+            .is_some_and(|t| t.dead_events.load(Ordering::SeqCst) > 0)
     }
 
     /// Reconnects `volume` until it succeeds or there is nothing left to heal. With
