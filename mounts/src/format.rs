@@ -55,24 +55,30 @@ pub enum Probe {
     Other(String),
 }
 
-/// Probes the device directly (no cache), for filesystems and partition tables alike.
-pub fn probe(device: &Path) -> Result<Probe, Error> {
+/// `blkid -p` (low-level probing, no cache) of `device`: its output, or `None` when it finds
+/// nothing at all (exit 2 and no output).
+fn blkid(device: &Path, args: &[&str]) -> Result<Option<String>, Error> {
     let out = Command::new("blkid")
-        .args(["-p", "-o", "export"])
+        .arg("-p")
+        .args(args)
         .arg(device)
         .output()
         .map_err(|source| Error::Spawn {
             tool: "blkid",
             source,
         })?;
-    // blkid exits 2 when it finds nothing at all.
     if out.status.code() == Some(2) && out.stdout.is_empty() {
-        return Ok(Probe::Blank);
+        return Ok(None);
     }
     if !out.status.success() {
         return Err(tool_error("blkid", device, &out));
     }
-    Ok(parse_probe(&String::from_utf8_lossy(&out.stdout)))
+    Ok(Some(String::from_utf8_lossy(&out.stdout).into_owned()))
+}
+
+/// Probes the device directly (no cache), for filesystems and partition tables alike.
+pub fn probe(device: &Path) -> Result<Probe, Error> {
+    Ok(blkid(device, &["-o", "export"])?.map_or(Probe::Blank, |out| parse_probe(&out)))
 }
 
 fn parse_probe(export: &str) -> Probe {
@@ -98,24 +104,9 @@ fn parse_probe(export: &str) -> Probe {
 /// The UUID of the filesystem on `device`, probed directly (no cache); `None` when the
 /// device holds no filesystem with a UUID.
 pub fn probe_uuid(device: &Path) -> Result<Option<String>, Error> {
-    let out = Command::new("blkid")
-        .args(["-p", "-o", "value", "-s", "UUID"])
-        .arg(device)
-        .output()
-        .map_err(|source| Error::Spawn {
-            tool: "blkid",
-            source,
-        })?;
-    if out.status.code() == Some(2) && out.stdout.is_empty() {
-        return Ok(None);
-    }
-    if !out.status.success() {
-        return Err(tool_error("blkid", device, &out));
-    }
-    let uuid = String::from_utf8_lossy(&out.stdout)
-        .trim()
-        .to_ascii_lowercase();
-    Ok((!uuid.is_empty()).then_some(uuid))
+    Ok(blkid(device, &["-o", "value", "-s", "UUID"])?
+        .map(|out| out.trim().to_ascii_lowercase())
+        .filter(|uuid| !uuid.is_empty()))
 }
 
 /// mkfs for `fs` with the given filesystem `uuid`, forcing over what is there when `force`.
