@@ -729,3 +729,41 @@ async fn systemd_hears_ready_status_and_watchdog_keep_alives() {
     vol.down(&mut c).await;
     assert_clean(&daemon);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn an_expansion_the_connections_cannot_serve_leaves_the_device_as_it_was() {
+    let mut daemon = NodeDaemon::new("unserved", CONFIG).unwrap();
+    let mut c = daemon.start(None).await;
+    // A unix-socket export: the daemon cannot replace its connections, and nbdkit serves
+    // each connection the size it had at the handshake.
+    let vol = Volume::new(&daemon, "unserved", 64 * MIB, block());
+    vol.up(&mut c).await;
+    let index = vol.device(&daemon).unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&vol.backing)
+        .unwrap()
+        .set_len(96 * MIB)
+        .unwrap();
+    let err = c
+        .node
+        .node_expand_volume(expand_request(
+            &vol.id,
+            &vol.target,
+            &vol.staging,
+            (96 * MIB) as i64,
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{}", err.message());
+    assert!(err.message().contains("old size"), "{}", err.message());
+    assert_eq!(
+        Sysfs::default().size_bytes(index).unwrap(),
+        64 * MIB,
+        "the device never claims space it cannot serve"
+    );
+    block_round_trip(&vol, 60 * MIB, 31);
+    vol.down(&mut c).await;
+    assert_clean(&daemon);
+}
