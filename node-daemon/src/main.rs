@@ -53,10 +53,16 @@ enum Command {
         #[arg(long)]
         log_json: bool,
     },
-    /// Show the volumes this node has attached, their devices and their state.
+    /// Show every nbd device, whose it is, what uses it, and each disagreement between the
+    /// journal, the kernel and the mount table. Exit code: 0 consistent, 1 problems shown,
+    /// 2 the state could not be read.
     Status {
         #[command(flatten)]
         common: Common,
+        /// The CSI socket, to tell whether the daemon runs.
+        #[arg(long)]
+        csi_endpoint: Option<String>,
+        /// Machine-readable output (schema version in the `schema` field).
         #[arg(long)]
         json: bool,
     },
@@ -128,13 +134,36 @@ fn main() -> Result<()> {
                 .build()?
                 .block_on(server::run(s))
         }
-        Command::Status { common, json } => {
-            let s = settings(&common)?;
-            let st = status::collect(&s.state_dir, &s.node_id, &nbd::sysfs::Sysfs::default())?;
+        Command::Status {
+            common,
+            csi_endpoint,
+            json,
+        } => {
+            let collected = settings(&common).and_then(|mut s| {
+                if let Some(e) = csi_endpoint {
+                    s.csi_socket = config::unix_path(&e)?;
+                }
+                Ok(status::collect(
+                    &s.state_dir,
+                    &s.node_id,
+                    &s.csi_socket,
+                    &nbd::sysfs::Sysfs::default(),
+                )?)
+            });
+            let st = match collected {
+                Ok(st) => st,
+                Err(e) => {
+                    eprintln!("ustor-csi-node status: cannot read the node's state: {e:#}");
+                    std::process::exit(2);
+                }
+            };
             if json {
                 println!("{}", serde_json::to_string_pretty(&st)?);
             } else {
                 print!("{}", status::render(&st));
+            }
+            if st.problem_count() > 0 {
+                std::process::exit(1);
             }
             Ok(())
         }

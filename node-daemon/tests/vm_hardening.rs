@@ -57,6 +57,36 @@ async fn disconnect_behind_the_back(vol: &Volume, daemon: &NodeDaemon) {
         .unwrap();
 }
 
+/// `ustor-csi-node status --json` of `daemon`'s state: its exit code and its output.
+fn status_of(daemon: &NodeDaemon) -> (i32, serde_json::Value) {
+    let out = std::process::Command::new(testkit::daemon::binary())
+        .args([
+            "status",
+            "--json",
+            "--node-id",
+            &daemon.node_id,
+            "--state-dir",
+        ])
+        .arg(&daemon.state_dir)
+        .arg("--csi-endpoint")
+        .arg(format!("unix://{}", daemon.socket.display()))
+        .output()
+        .unwrap();
+    let json = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
+    (out.status.code().unwrap_or(-1), json)
+}
+
+/// The device row of `volume` in a status.
+fn device_row<'a>(status: &'a serde_json::Value, volume: &str) -> &'a serde_json::Value {
+    status["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["volume"] == volume)
+        .unwrap_or_else(|| panic!("no device row for {volume}: {status}"))
+}
+
 /// Arms `point`, makes `stage` hit it, and waits for the daemon to die there.
 async fn crash_stage_at(daemon: &mut NodeDaemon, vol: &Volume, point: &str) {
     let mut armed = daemon.start(Some(point)).await;
@@ -426,20 +456,13 @@ async fn a_changed_io_scheduler_is_set_back_to_none() {
     daemon.kill();
     // kyber: a scheduler other than none that both kernel lines have (as a module).
     sysfs.set_scheduler(index, "kyber").unwrap();
-    let out = std::process::Command::new(testkit::daemon::binary())
-        .args([
-            "status",
-            "--json",
-            "--node-id",
-            &daemon.node_id,
-            "--state-dir",
-        ])
-        .arg(&daemon.state_dir)
-        .output()
-        .unwrap();
-    let status: serde_json::Value = serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
-    assert_eq!(status["volumes"][0]["scheduler"], "kyber", "{status}");
+    let (code, status) = status_of(&daemon);
+    assert_eq!(code, 1, "a changed scheduler is a problem: {status}");
+    assert_eq!(
+        device_row(&status, &vol.id)["scheduler"],
+        "kyber",
+        "{status}"
+    );
 
     // The running daemon puts none back.
     let mut c = daemon.start(None).await;
@@ -765,5 +788,110 @@ async fn an_expansion_the_connections_cannot_serve_leaves_the_device_as_it_was()
     );
     block_round_trip(&vol, 60 * MIB, 31);
     vol.down(&mut c).await;
+    assert_clean(&daemon);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn status_names_every_disagreement_and_exits_accordingly() {
+    let mut daemon = NodeDaemon::new("status", CONFIG).unwrap();
+    let mut c = daemon.start(None).await;
+    let fs_vol = Volume::new_on(&daemon, "st-fs", 64 * MIB, ext4(), Listen::Tcp);
+    let blk_vol = Volume::new(&daemon, "st-blk", 32 * MIB, block());
+    fs_vol.up(&mut c).await;
+    blk_vol.up(&mut c).await;
+    // Someone else's device beside ours: shown, and not a problem.
+    let stranger = testkit::NbdServer::nbdkit(Listen::Unix, &["memory", "8M"]).unwrap();
+    let nl = NbdNetlink::open().await.unwrap();
+    let sysfs = Sysfs::default();
+    let foreign = nbd::attach::attach(
+        &nl,
+        &sysfs,
+        &stranger.uri(),
+        &nbd::attach::AttachOptions::new(BackendId::new("someone-else:1").unwrap()),
+    )
+    .await
+    .unwrap();
+
+    let (code, st) = status_of(&daemon);
+    assert_eq!(code, 0, "consistent: {st}");
+    assert_eq!(st["schema"], 1);
+    assert_eq!(st["daemon_running"], true);
+    let row = device_row(&st, "st-fs");
+    assert_eq!(row["owner"], "ours");
+    assert_eq!(row["link"], "up", "{row}");
+    assert_eq!(row["access"], "ext4 filesystem");
+    let mounted = row["mounted_at"].to_string();
+    assert!(
+        mounted.contains("globalmount") && mounted.contains("pods/pod-1"),
+        "{mounted}"
+    );
+    let foreign_row = st["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["backend"] == "someone-else:1")
+        .unwrap();
+    assert_eq!(foreign_row["owner"], "foreign");
+    assert!(foreign_row["problems"].as_array().unwrap().is_empty());
+
+    // Stuck states, with the daemon stopped: a lost staging mount, a device detached behind
+    // the journal's back, a lost record.
+    daemon.kill();
+    mounts::ops::unmount(&fs_vol.staging).unwrap();
+    let (code, st) = status_of(&daemon);
+    assert_eq!(code, 1);
+    assert_eq!(st["daemon_running"], false);
+    assert!(
+        device_row(&st, "st-fs")["problems"]
+            .to_string()
+            .contains("staging mount missing"),
+        "{st}"
+    );
+    disconnect_behind_the_back(&blk_vol, &daemon).await;
+    let (_, st) = status_of(&daemon);
+    let orphans = st["records_without_device"].as_array().unwrap();
+    assert_eq!(orphans.len(), 1, "{st}");
+    assert!(
+        orphans[0]["problems"]
+            .to_string()
+            .contains("the kernel has no device with its identifier"),
+        "{st}"
+    );
+    let fs_record = daemon
+        .journal_files()
+        .into_iter()
+        .find(|p| p.to_string_lossy().contains("st-fs"))
+        .unwrap();
+    std::fs::remove_file(fs_record).unwrap();
+    let (code, st) = status_of(&daemon);
+    assert_eq!(code, 1);
+    let row = st["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["owner"] == "ours")
+        .unwrap();
+    assert!(
+        row["problems"].to_string().contains("no journal record"),
+        "{row}"
+    );
+    // The daemon rebuilds what it can; the CO's calls clean up the rest.
+    let mut c = daemon.start(None).await;
+    fs_vol.unpublish(&mut c).await.unwrap();
+    fs_vol.unstage(&mut c).await.unwrap();
+    blk_vol.unpublish(&mut c).await.unwrap();
+    blk_vol.unstage(&mut c).await.unwrap();
+    nbd::attach::detach(
+        &nl,
+        &sysfs,
+        foreign.device.index(),
+        foreign.device.identifier(),
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap();
+    let (code, st) = status_of(&daemon);
+    assert_eq!(code, 0, "clean again: {st}");
     assert_clean(&daemon);
 }
