@@ -28,6 +28,8 @@ fn status(daemon: &NodeDaemon) {
         .args(["status", "--state-dir"])
         .arg(&daemon.state_dir)
         .args(["--node-id", &daemon.node_id])
+        .arg("--csi-endpoint")
+        .arg(format!("unix://{}", daemon.socket.display()))
         .output()
         .expect("ustor-csi-node status");
     print!("{}", String::from_utf8_lossy(&out.stdout));
