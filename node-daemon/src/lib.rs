@@ -20,6 +20,7 @@ pub mod metrics;
 pub mod node;
 pub mod record;
 pub mod recovery;
+pub mod repair;
 pub mod request;
 pub mod server;
 pub mod service;

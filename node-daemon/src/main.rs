@@ -66,6 +66,19 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Clean what `status` flags: stale mounts of gone volumes, unused devices carrying this
+    /// node's identifier with no record, records of gone devices. Prints the plan; acts only
+    /// with --apply, and only while the daemon is stopped.
+    Repair {
+        #[command(flatten)]
+        common: Common,
+        /// The CSI socket, to refuse while the daemon runs.
+        #[arg(long)]
+        csi_endpoint: Option<String>,
+        /// Carry the plan out (default: print it only).
+        #[arg(long)]
+        apply: bool,
+    },
 }
 
 fn settings(common: &Common) -> Result<Settings> {
@@ -79,6 +92,40 @@ fn settings(common: &Common) -> Result<Settings> {
         s.node_id = n.clone();
     }
     Ok(s)
+}
+
+/// `repair`: plan from `status`, print, and with `apply` act (daemon stopped only).
+fn repair(common: &Common, csi_endpoint: Option<String>, apply: bool) -> Result<()> {
+    let mut s = settings(common)?;
+    if let Some(e) = csi_endpoint {
+        s.csi_socket = config::unix_path(&e)?;
+    }
+    let sysfs = nbd::sysfs::Sysfs::default();
+    let st = status::collect(&s.state_dir, &s.node_id, &s.csi_socket, &sysfs)?;
+    let plan = node_daemon::repair::plan(&st);
+    if plan.is_empty() {
+        println!("nothing to repair");
+        return Ok(());
+    }
+    for action in &plan {
+        println!("{}{action}", if apply { "" } else { "would " });
+    }
+    if !apply {
+        println!("(dry run: --apply carries this out)");
+        return Ok(());
+    }
+    anyhow::ensure!(
+        !st.daemon_running,
+        "the node daemon is running: stop it first (systemctl stop ustor-csi-node), repair must not race it"
+    );
+    let done = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?
+        .block_on(node_daemon::repair::apply(&plan, &s.state_dir, &sysfs))?;
+    for line in done {
+        println!("{line}");
+    }
+    Ok(())
 }
 
 fn init_logging(json: bool) {
@@ -134,6 +181,11 @@ fn main() -> Result<()> {
                 .build()?
                 .block_on(server::run(s))
         }
+        Command::Repair {
+            common,
+            csi_endpoint,
+            apply,
+        } => repair(&common, csi_endpoint, apply),
         Command::Status {
             common,
             csi_endpoint,

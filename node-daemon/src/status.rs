@@ -85,6 +85,8 @@ pub struct RecordRow {
     pub identifier: String,
     pub device: Option<String>,
     pub step: String,
+    pub staging_path: Option<String>,
+    pub targets: Vec<String>,
     pub problems: Vec<String>,
 }
 
@@ -298,6 +300,8 @@ fn record_row(r: &Record) -> RecordRow {
         identifier: r.identifier.clone(),
         device: r.device.map(|d| format!("nbd{d}")),
         step: step_name(r.phase),
+        staging_path: r.staging_path.as_ref().map(|p| p.display().to_string()),
+        targets: r.targets.keys().map(|p| p.display().to_string()).collect(),
         problems,
     }
 }

@@ -895,3 +895,107 @@ async fn status_names_every_disagreement_and_exits_accordingly() {
     assert_eq!(code, 0, "clean again: {st}");
     assert_clean(&daemon);
 }
+
+/// `ustor-csi-node repair [--apply]` of `daemon`'s state: exit code and output.
+fn repair_of(daemon: &NodeDaemon, apply: bool) -> (i32, String) {
+    let mut cmd = std::process::Command::new(testkit::daemon::binary());
+    cmd.args(["repair", "--node-id", &daemon.node_id, "--state-dir"])
+        .arg(&daemon.state_dir)
+        .arg("--csi-endpoint")
+        .arg(format!("unix://{}", daemon.socket.display()));
+    if apply {
+        cmd.arg("--apply");
+    }
+    let out = cmd.output().unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn repair_cleans_what_status_flags_and_nothing_else() {
+    let mut daemon = NodeDaemon::new("repair", CONFIG).unwrap();
+    let mut c = daemon.start(None).await;
+    let unrecorded = Volume::new(&daemon, "rp-unrecorded", 32 * MIB, block());
+    let gone = Volume::new(&daemon, "rp-gone", 32 * MIB, block());
+    let in_use = Volume::new(&daemon, "rp-in-use", 32 * MIB, block());
+    for v in [&unrecorded, &gone, &in_use] {
+        v.up(&mut c).await;
+    }
+    daemon.kill();
+    // The seeds' stuck states: a device whose record is lost and that nobody uses any more; a
+    // record whose device went away under its pod's bind mount; a device of ours, record
+    // lost, still in use by a pod.
+    let remove_record = |daemon: &NodeDaemon, id: &str| {
+        let f = daemon
+            .journal_files()
+            .into_iter()
+            .find(|p| p.to_string_lossy().contains(id))
+            .unwrap();
+        std::fs::remove_file(f).unwrap();
+    };
+    remove_record(&daemon, "rp-unrecorded");
+    while mounts::ops::unmount(&unrecorded.target).unwrap() {}
+    disconnect_behind_the_back(&gone, &daemon).await;
+    remove_record(&daemon, "rp-in-use");
+    let (code, before) = status_of(&daemon);
+    assert_eq!(code, 1, "{before}");
+
+    // A dry run says what it would do, and does nothing.
+    let (code, plan) = repair_of(&daemon, false);
+    assert_eq!(code, 0, "{plan}");
+    assert!(plan.contains("would disconnect"), "{plan}");
+    assert!(plan.contains("would unmount"), "{plan}");
+    assert!(
+        plan.contains("would forget the journal record of rp-gone"),
+        "{plan}"
+    );
+    assert!(
+        plan.contains("would leave"),
+        "the device in use is left alone: {plan}"
+    );
+    assert_eq!(status_of(&daemon).1, before, "a dry run changes nothing");
+
+    // Not while the daemon runs.
+    let c2 = daemon.start(None).await;
+    let (code, refused) = repair_of(&daemon, true);
+    assert_ne!(code, 0, "{refused}");
+    assert!(refused.contains("stop it first"), "{refused}");
+    drop(c2);
+    daemon.kill();
+    // The daemon's start rebuilt the records of the devices it found; lose them again.
+    remove_record(&daemon, "rp-unrecorded");
+    remove_record(&daemon, "rp-in-use");
+
+    let (code, done) = repair_of(&daemon, true);
+    assert_eq!(code, 0, "{done}");
+    assert!(
+        unrecorded.device(&daemon).is_none(),
+        "unused device disconnected: {done}"
+    );
+    assert!(
+        in_use.device(&daemon).is_some(),
+        "the device in use stays: {done}"
+    );
+    assert!(!is_mounted(&gone.target), "stale bind mount gone: {done}");
+    let (_, after) = status_of(&daemon);
+    assert!(
+        after["records_without_device"]
+            .as_array()
+            .unwrap()
+            .is_empty(),
+        "{after}"
+    );
+    // What is left is the device in use, which kubelet unstages through the daemon.
+    let mut c = daemon.start(None).await;
+    in_use.down(&mut c).await;
+    let (code, clean) = status_of(&daemon);
+    assert_eq!(code, 0, "{clean}");
+    assert_clean(&daemon);
+}
