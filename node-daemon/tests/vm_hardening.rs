@@ -320,12 +320,7 @@ async fn expansion_never_shrinks_and_one_export_has_one_volume() {
     vol.up(&mut c).await;
     block_round_trip(&vol, 60 * MIB, 8);
     let index = vol.device(&daemon).unwrap();
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(&vol.backing)
-        .unwrap()
-        .set_len(32 * MIB)
-        .unwrap();
+    vol.resize_backing(32 * MIB);
     vol.server.start().unwrap();
     let err = c
         .node
@@ -339,12 +334,7 @@ async fn expansion_never_shrinks_and_one_export_has_one_volume() {
         64 * MIB,
         "size kept"
     );
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(&vol.backing)
-        .unwrap()
-        .set_len(64 * MIB)
-        .unwrap();
+    vol.resize_backing(64 * MIB);
 
     // A second volume id naming the same export (a static PV) is refused while it is staged.
     let alias = "alias-of-shrunk";
@@ -763,12 +753,7 @@ async fn an_expansion_the_connections_cannot_serve_leaves_the_device_as_it_was()
     let vol = Volume::new(&daemon, "unserved", 64 * MIB, block());
     vol.up(&mut c).await;
     let index = vol.device(&daemon).unwrap();
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(&vol.backing)
-        .unwrap()
-        .set_len(96 * MIB)
-        .unwrap();
+    vol.resize_backing(96 * MIB);
     let err = c
         .node
         .node_expand_volume(expand_request(

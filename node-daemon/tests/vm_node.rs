@@ -181,12 +181,7 @@ async fn seed_v022_expand_after_restart_uses_the_staging_path() {
     daemon.kill();
     let mut c = daemon.start(None).await;
     for vol in [&fs_vol, &blk_vol] {
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(&vol.backing)
-            .unwrap()
-            .set_len(128 * MIB)
-            .unwrap();
+        vol.resize_backing(128 * MIB);
         // Kubelet names the pod's path; the daemon must grow through its staging path.
         let r = c
             .node
@@ -336,12 +331,7 @@ async fn crash_at_every_journal_step_converges() {
         let mut c = daemon.start(None).await;
         for step in lifecycle {
             if step == Call::Expand {
-                std::fs::OpenOptions::new()
-                    .write(true)
-                    .open(&vol.backing)
-                    .unwrap()
-                    .set_len(96 * MIB)
-                    .unwrap();
+                vol.resize_backing(96 * MIB);
             }
             if step == crash_call {
                 daemon.kill();
@@ -713,12 +703,7 @@ async fn data_is_never_reformatted_restored_volumes_grow_readonly_is_honoured() 
     vol.down(&mut c).await;
 
     // As a volume restored from a snapshot into a larger volume: data, and more room.
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(&vol.backing)
-        .unwrap()
-        .set_len(128 * MIB)
-        .unwrap();
+    vol.resize_backing(128 * MIB);
     vol.up(&mut c).await;
     assert!(
         std::fs::read(vol.target.join("keep")).unwrap() == pattern(5, 0, MIB as usize),

@@ -159,6 +159,16 @@ impl Volume {
         })
     }
 
+    /// Grows (or shrinks) the export's backing file, as the storage does on expansion.
+    pub fn resize_backing(&self, size: u64) {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&self.backing)
+            .unwrap()
+            .set_len(size)
+            .unwrap();
+    }
+
     pub fn read_backing(&self, offset: u64, len: usize) -> Vec<u8> {
         let mut buf = vec![0; len];
         std::fs::File::open(&self.backing)
