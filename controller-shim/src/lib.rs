@@ -9,5 +9,6 @@ pub mod backend;
 pub mod error;
 pub mod exports;
 pub mod ids;
+pub mod metrics;
 pub mod server;
 pub mod service;

@@ -66,6 +66,9 @@ enum Command {
         /// clear text); for test setups only.
         #[arg(long)]
         ustor_allow_insecure_http: bool,
+        /// ip:port to serve Prometheus /metrics on (off unless given; e.g. 127.0.0.1:9810).
+        #[arg(long)]
+        metrics_address: Option<SocketAddr>,
         /// ustor: pool of volumes whose StorageClass names none.
         #[arg(long, default_value = "data")]
         ustor_pool: String,
@@ -91,6 +94,7 @@ fn main() -> Result<()> {
         ustor_credentials,
         ustor_ca,
         ustor_allow_insecure_http,
+        metrics_address,
         ustor_pool,
     } = Cli::parse().command;
     valid_cluster_id(&cluster_id).map_err(anyhow::Error::msg)?;
@@ -160,7 +164,16 @@ fn main() -> Result<()> {
                     Arc::new(UstorBackend::new(api, &ustor_pool))
                 }
             };
-            let result = controller_shim::server::serve(&socket, backend, cluster_id, stop).await;
+            let metrics = match metrics_address {
+                Some(addr) => Some(
+                    tokio::net::TcpListener::bind(addr)
+                        .await
+                        .map_err(|e| anyhow::anyhow!("--metrics-address {addr}: {e}"))?,
+                ),
+                None => None,
+            };
+            let result =
+                controller_shim::server::serve(&socket, backend, cluster_id, metrics, stop).await;
             for task in background {
                 task.abort();
             }

@@ -24,6 +24,8 @@ const MIB: i64 = 1 << 20;
 
 struct Controller {
     client: ControllerClient<Channel>,
+    /// Where the controller serves `/metrics`.
+    metrics: std::net::SocketAddr,
     root: PathBuf,
     _dir: tempfile::TempDir,
     tasks: Vec<tokio::task::JoinHandle<()>>,
@@ -55,6 +57,9 @@ async fn start() -> Controller {
         .supervise(),
     );
     let socket = dir.path().join("csi.sock");
+    // Bound here and handed over: no window in which another test could take the port.
+    let metrics_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let metrics = metrics_listener.local_addr().unwrap();
     let server = {
         let socket = socket.clone();
         tokio::spawn(async move {
@@ -62,6 +67,7 @@ async fn start() -> Controller {
                 &socket,
                 Arc::new(backend),
                 "test".into(),
+                Some(metrics_listener),
                 std::future::pending(),
             )
             .await
@@ -71,6 +77,7 @@ async fn start() -> Controller {
     let channel = testkit::csi::wait_connect(&socket, Duration::from_secs(10)).await;
     Controller {
         client: ControllerClient::new(channel),
+        metrics,
         root,
         _dir: dir,
         tasks: vec![exports, server],
@@ -689,4 +696,23 @@ async fn bad_input_gets_the_spec_code() {
         .unwrap()
         .into_inner();
     assert_eq!(caps.capabilities.len(), 9);
+
+    // Every call above is counted by method and code, with its latency.
+    let metrics = testkit::scrape(c.metrics).await;
+    assert!(
+        metrics.contains(
+            r#"ustor_csi_controller_requests_total{method="CreateVolume",code="InvalidArgument"}"#
+        ),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(r#"ustor_csi_controller_requests_total{method="DeleteVolume",code="Ok"}"#),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(
+            r#"ustor_csi_controller_request_duration_seconds_count{method="GetCapacity"} 1"#
+        ),
+        "{metrics}"
+    );
 }

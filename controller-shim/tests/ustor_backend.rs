@@ -48,6 +48,7 @@ async fn controller(
                 &socket,
                 Arc::new(backend),
                 "test".into(),
+                None,
                 std::future::pending(),
             )
             .await

@@ -6,20 +6,16 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use prometheus_client::encoding::text::encode;
+use csi_proto::metrics::{CallMetrics, Labels};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
-
-type Labels = Vec<(&'static str, String)>;
 
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
-    requests: Family<Labels, Counter>,
-    durations: Family<Labels, Histogram, fn() -> Histogram>,
+    calls: CallMetrics,
     /// Volumes with a journal record on this node.
     pub volumes: Gauge,
     /// Volumes whose link is down right now.
@@ -33,33 +29,16 @@ pub struct Metrics {
     pub scheduler_reset: Counter,
 }
 
-fn buckets() -> Histogram {
-    // 5 ms to ~80 s: from an idempotent repeat to a large mkfs.
-    Histogram::new(exponential_buckets(0.005, 2.0, 15))
-}
-
 impl Default for Metrics {
     fn default() -> Self {
         let mut registry = Registry::with_prefix("ustor_csi_node");
-        let requests = Family::<Labels, Counter>::default();
-        let durations =
-            Family::<Labels, Histogram, fn() -> Histogram>::new_with_constructor(buckets);
+        let calls = CallMetrics::register(&mut registry);
         let volumes = Gauge::default();
         let links_down = Gauge::default();
         let link_dead = Counter::default();
         let heals = Family::<Labels, Counter>::default();
         let unreconciled = Gauge::default();
         let scheduler_reset = Counter::default();
-        registry.register(
-            "requests",
-            "CSI calls by method and gRPC code",
-            requests.clone(),
-        );
-        registry.register(
-            "request_duration_seconds",
-            "CSI call latency by method",
-            durations.clone(),
-        );
         registry.register(
             "volumes",
             "Volumes staged or being staged on this node",
@@ -88,8 +67,7 @@ impl Default for Metrics {
         );
         Self {
             registry,
-            requests,
-            durations,
+            calls,
             volumes,
             links_down,
             link_dead,
@@ -102,15 +80,7 @@ impl Default for Metrics {
 
 impl Metrics {
     pub fn observe_call(&self, method: &'static str, code: tonic::Code, seconds: f64) {
-        self.requests
-            .get_or_create(&vec![
-                ("method", method.to_owned()),
-                ("code", format!("{code:?}")),
-            ])
-            .inc();
-        self.durations
-            .get_or_create(&vec![("method", method.to_owned())])
-            .observe(seconds);
+        self.calls.observe(method, code, seconds);
     }
 
     pub fn heal_attempt(&self, ok: bool) {
@@ -121,34 +91,15 @@ impl Metrics {
     }
 
     pub fn render(&self) -> String {
-        let mut out = String::new();
-        // Writing into a String cannot fail.
-        let _ = encode(&mut out, &self.registry);
-        out
+        csi_proto::metrics::render(&self.registry)
     }
 }
 
 /// Serves `/metrics` until the process ends.
 pub async fn serve(metrics: Arc<Metrics>, addr: SocketAddr) -> anyhow::Result<()> {
-    use axum::routing::get;
-    let app = axum::Router::new().route(
-        "/metrics",
-        get(move || {
-            let metrics = Arc::clone(&metrics);
-            async move {
-                (
-                    [(
-                        axum::http::header::CONTENT_TYPE,
-                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                    )],
-                    metrics.render(),
-                )
-            }
-        }),
-    );
-    let listener = tokio::net::TcpListener::bind(addr).await?;
     tracing::info!(%addr, "serving metrics");
-    axum::serve(listener, app).await?;
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    csi_proto::metrics::serve(move || metrics.render(), listener).await?;
     Ok(())
 }
 

@@ -16,6 +16,7 @@ pub mod registration {
 
 pub mod capability;
 pub mod locks;
+pub mod metrics;
 pub mod socket;
 
 /// The CSI driver name, as CSIDriver objects, StorageClasses and PVs spell it; one definition

@@ -33,11 +33,17 @@ pub struct ControllerService {
     /// One mutating call per image at a time (`v:<key>` volumes, `s:<key>` snapshots): a
     /// long copy for a clone holds its own images, not every other call.
     images: KeyedLocks,
+    metrics: Arc<crate::metrics::ControllerMetrics>,
 }
 
 impl ControllerService {
-    pub fn new(backend: Arc<dyn Backend>, cluster_id: String) -> Self {
+    pub fn new(
+        backend: Arc<dyn Backend>,
+        cluster_id: String,
+        metrics: Arc<crate::metrics::ControllerMetrics>,
+    ) -> Self {
         Self {
+            metrics,
             backend,
             cluster_id,
             images: KeyedLocks::default(),
@@ -507,14 +513,30 @@ pub fn check_capability(cap: &VolumeCapability) -> Result<Mode, ControllerError>
     Ok(mode)
 }
 
-fn answer<T>(op: &'static str, result: Result<T, ControllerError>) -> Result<Response<T>, Status> {
-    match result {
-        Ok(v) => Ok(Response::new(v)),
-        Err(e) => {
-            let status = Status::from(e);
-            tracing::warn!(op, code = ?status.code(), message = status.message(), "failed");
-            Err(status)
-        }
+impl ControllerService {
+    /// The one place a call's outcome becomes a gRPC answer: logged when it failed, counted
+    /// with its latency.
+    fn answer<T>(
+        &self,
+        started: std::time::Instant,
+        op: &'static str,
+        result: Result<T, ControllerError>,
+    ) -> Result<Response<T>, Status> {
+        let answer = match result {
+            Ok(v) => Ok(Response::new(v)),
+            Err(e) => {
+                let status = Status::from(e);
+                tracing::warn!(op, code = ?status.code(), message = status.message(), "failed");
+                Err(status)
+            }
+        };
+        let code = answer
+            .as_ref()
+            .map_or_else(|s| s.code(), |_| tonic::Code::Ok);
+        self.metrics
+            .calls
+            .observe(op, code, started.elapsed().as_secs_f64());
+        answer
     }
 }
 
@@ -530,9 +552,11 @@ impl Controller for ControllerService {
         &self,
         r: Request<CreateVolumeRequest>,
     ) -> Result<Response<CreateVolumeResponse>, Status> {
+        let started = std::time::Instant::now();
         let r = r.into_inner();
         let span = tracing::info_span!("csi", op = "CreateVolume", name = %r.name);
-        answer(
+        self.answer(
+            started,
             "CreateVolume",
             tracing::Instrument::instrument(self.create_volume(r), span).await,
         )
@@ -542,9 +566,11 @@ impl Controller for ControllerService {
         &self,
         r: Request<DeleteVolumeRequest>,
     ) -> Result<Response<DeleteVolumeResponse>, Status> {
+        let started = std::time::Instant::now();
         let r = r.into_inner();
         let span = tracing::info_span!("csi", op = "DeleteVolume", volume_id = %r.volume_id);
-        answer(
+        self.answer(
+            started,
             "DeleteVolume",
             tracing::Instrument::instrument(self.delete_volume(r), span).await,
         )
@@ -554,9 +580,11 @@ impl Controller for ControllerService {
         &self,
         r: Request<ControllerPublishVolumeRequest>,
     ) -> Result<Response<ControllerPublishVolumeResponse>, Status> {
+        let started = std::time::Instant::now();
         let r = r.into_inner();
         let span = tracing::info_span!("csi", op = "ControllerPublishVolume", volume_id = %r.volume_id, node = %r.node_id);
-        answer(
+        self.answer(
+            started,
             "ControllerPublishVolume",
             tracing::Instrument::instrument(self.publish(r), span).await,
         )
@@ -566,9 +594,11 @@ impl Controller for ControllerService {
         &self,
         r: Request<ControllerUnpublishVolumeRequest>,
     ) -> Result<Response<ControllerUnpublishVolumeResponse>, Status> {
+        let started = std::time::Instant::now();
         let r = r.into_inner();
         let span = tracing::info_span!("csi", op = "ControllerUnpublishVolume", volume_id = %r.volume_id, node = %r.node_id);
-        answer(
+        self.answer(
+            started,
             "ControllerUnpublishVolume",
             tracing::Instrument::instrument(self.unpublish(r), span).await,
         )
@@ -578,6 +608,7 @@ impl Controller for ControllerService {
         &self,
         r: Request<ValidateVolumeCapabilitiesRequest>,
     ) -> Result<Response<ValidateVolumeCapabilitiesResponse>, Status> {
+        let started = std::time::Instant::now();
         let r = r.into_inner();
         let result = async {
             let h = self.volume_handle(&r.volume_id)?;
@@ -603,13 +634,14 @@ impl Controller for ControllerService {
             })
         }
         .await;
-        answer("ValidateVolumeCapabilities", result)
+        self.answer(started, "ValidateVolumeCapabilities", result)
     }
 
     async fn get_capacity(
         &self,
         r: Request<GetCapacityRequest>,
     ) -> Result<Response<GetCapacityResponse>, Status> {
+        let started = std::time::Instant::now();
         let r = r.into_inner();
         let result = async {
             let parameters = parameters(&r.parameters)?;
@@ -621,7 +653,7 @@ impl Controller for ControllerService {
             })
         }
         .await;
-        answer("GetCapacity", result)
+        self.answer(started, "GetCapacity", result)
     }
 
     async fn controller_get_capabilities(
@@ -650,9 +682,11 @@ impl Controller for ControllerService {
         &self,
         r: Request<CreateSnapshotRequest>,
     ) -> Result<Response<CreateSnapshotResponse>, Status> {
+        let started = std::time::Instant::now();
         let r = r.into_inner();
         let span = tracing::info_span!("csi", op = "CreateSnapshot", name = %r.name, volume_id = %r.source_volume_id);
-        answer(
+        self.answer(
+            started,
             "CreateSnapshot",
             tracing::Instrument::instrument(self.create_snapshot(r), span).await,
         )
@@ -662,6 +696,7 @@ impl Controller for ControllerService {
         &self,
         r: Request<DeleteSnapshotRequest>,
     ) -> Result<Response<DeleteSnapshotResponse>, Status> {
+        let started = std::time::Instant::now();
         let r = r.into_inner();
         let result = async {
             let h = match self.snapshot_handle(&r.snapshot_id) {
@@ -676,24 +711,31 @@ impl Controller for ControllerService {
             Ok(DeleteSnapshotResponse {})
         }
         .await;
-        answer("DeleteSnapshot", result)
+        self.answer(started, "DeleteSnapshot", result)
     }
 
     async fn list_snapshots(
         &self,
         r: Request<ListSnapshotsRequest>,
     ) -> Result<Response<ListSnapshotsResponse>, Status> {
-        answer("ListSnapshots", self.list_snapshots(r.into_inner()).await)
+        let started = std::time::Instant::now();
+        self.answer(
+            started,
+            "ListSnapshots",
+            self.list_snapshots(r.into_inner()).await,
+        )
     }
 
     async fn controller_expand_volume(
         &self,
         r: Request<ControllerExpandVolumeRequest>,
     ) -> Result<Response<ControllerExpandVolumeResponse>, Status> {
+        let started = std::time::Instant::now();
         let r = r.into_inner();
         let span =
             tracing::info_span!("csi", op = "ControllerExpandVolume", volume_id = %r.volume_id);
-        answer(
+        self.answer(
+            started,
             "ControllerExpandVolume",
             tracing::Instrument::instrument(self.expand(r), span).await,
         )

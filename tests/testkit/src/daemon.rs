@@ -145,16 +145,7 @@ impl NodeDaemon {
 
     /// The daemon's `/metrics` text.
     pub async fn scrape(&self) -> String {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let mut s = tokio::net::TcpStream::connect(self.metrics)
-            .await
-            .expect("metrics endpoint");
-        s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
-            .await
-            .expect("request");
-        let mut text = String::new();
-        s.read_to_string(&mut text).await.expect("response");
-        text
+        crate::scrape(self.metrics).await
     }
 
     /// Journal records on disk.

@@ -14,3 +14,17 @@ mod server;
 
 pub use direct::{pattern, AlignedBuf, DirectFile};
 pub use server::{Listen, NbdServer, ServerKind};
+
+/// The `/metrics` text served at `addr` (node daemon or controller), headers included.
+pub async fn scrape(addr: std::net::SocketAddr) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr)
+        .await
+        .expect("metrics endpoint");
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        .await
+        .expect("request");
+    let mut text = String::new();
+    s.read_to_string(&mut text).await.expect("response");
+    text
+}
