@@ -237,13 +237,8 @@ impl ControllerService {
         &self,
         r: DeleteVolumeRequest,
     ) -> Result<DeleteVolumeResponse, ControllerError> {
-        let h = match self.volume_handle(&r.volume_id) {
-            // Not an id of ours: for the spec, a volume that does not exist is deleted.
-            Err(ControllerError::UnknownId(why)) => {
-                tracing::info!(%why, "DeleteVolume of an id this driver did not issue");
-                return Ok(DeleteVolumeResponse {});
-            }
-            other => other?,
+        let Some(h) = issued_by_us(self.volume_handle(&r.volume_id), "DeleteVolume")? else {
+            return Ok(DeleteVolumeResponse {});
         };
         let _locked = self.images.lock(&format!("v:{}", h.image)).await;
         if let Some(meta) = self.backend.volume(&h.image).await? {
@@ -540,6 +535,21 @@ impl ControllerService {
     }
 }
 
+/// For deletes: an id this driver did not issue names nothing, so for the spec it is already
+/// deleted (`None`); any other parse error stands.
+fn issued_by_us(
+    parsed: Result<Handle, ControllerError>,
+    op: &'static str,
+) -> Result<Option<Handle>, ControllerError> {
+    match parsed {
+        Err(ControllerError::UnknownId(why)) => {
+            tracing::info!(op, %why, "an id this driver did not issue: nothing to delete");
+            Ok(None)
+        }
+        other => other.map(Some),
+    }
+}
+
 fn capability_of(rpc: Rpc) -> ControllerServiceCapability {
     ControllerServiceCapability {
         r#type: Some(CapType::Rpc(RpcCap { r#type: rpc as i32 })),
@@ -699,12 +709,9 @@ impl Controller for ControllerService {
         let started = std::time::Instant::now();
         let r = r.into_inner();
         let result = async {
-            let h = match self.snapshot_handle(&r.snapshot_id) {
-                Err(ControllerError::UnknownId(why)) => {
-                    tracing::info!(%why, "DeleteSnapshot of an id this driver did not issue");
-                    return Ok(DeleteSnapshotResponse {});
-                }
-                other => other?,
+            let Some(h) = issued_by_us(self.snapshot_handle(&r.snapshot_id), "DeleteSnapshot")?
+            else {
+                return Ok(DeleteSnapshotResponse {});
             };
             let _locked = self.images.lock(&format!("s:{}", h.image)).await;
             self.backend.delete_snapshot(&h.image).await?;
