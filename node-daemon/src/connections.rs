@@ -41,51 +41,60 @@ pub fn union(known: &[TcpConnection], fresh: &[TcpConnection]) -> Vec<TcpConnect
     all
 }
 
+/// What the kernel says of each of `known`: `Some(true)` established, `Some(false)` closed,
+/// `None` when it cannot tell (tcp_diag not loaded, or the query failed). The one place the
+/// daemon asks; the helpers below read its answer.
+pub fn states(known: &[TcpConnection]) -> Vec<Option<bool>> {
+    known
+        .iter()
+        .map(|c| match nbd::sockdiag::tcp_established(c.local, c.peer) {
+            Ok(state) => state,
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot query a TCP state");
+                None
+            }
+        })
+        .collect()
+}
+
 /// Of `known`, the connections still established: after a RECONFIGURE the kernel kept the
 /// fresh sockets that found a dead slot and the live old ones; the others are closed (call
 /// this after dropping our copies). If the kernel cannot tell, all are kept: an address that
 /// no longer exists costs nothing later, a forgotten one could not be replaced.
 pub fn still_established(known: &[TcpConnection]) -> Vec<TcpConnection> {
-    let mut live = Vec::with_capacity(known.len());
-    for c in known {
-        match nbd::sockdiag::tcp_established(c.local, c.peer) {
-            Ok(Some(true)) => live.push(*c),
-            Ok(Some(false)) => {}
-            Ok(None) => {
-                tracing::debug!("the kernel cannot tell TCP states (tcp_diag not loaded); keeping every known connection");
-                return known.to_vec();
-            }
-            Err(e) => {
-                tracing::debug!(error = %e, "cannot query TCP states; keeping every known connection");
-                return known.to_vec();
-            }
-        }
+    let states = states(known);
+    if states.contains(&None) {
+        tracing::debug!("the kernel cannot tell TCP states; keeping every known connection");
+        return known.to_vec();
     }
-    live
+    known
+        .iter()
+        .zip(states)
+        .filter(|(_, s)| *s == Some(true))
+        .map(|(c, _)| *c)
+        .collect()
 }
 
-/// Whether a device with connections `known` may have a dead slot, after a restart: unless
-/// every one of them is a TCP connection the kernel shows established, it may (unix sockets
-/// and a kernel that cannot tell included), and the device is given fresh connections.
-pub fn may_have_dead_slot(known: &[TcpConnection]) -> bool {
-    known.is_empty()
-        || known.iter().any(|c| {
-            !matches!(
-                nbd::sockdiag::tcp_established(c.local, c.peer),
-                Ok(Some(true))
-            )
-        })
+/// What a device's journaled connections say about its slots.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Liveness {
+    /// Every connection is a TCP connection the kernel shows established.
+    AllEstablished,
+    /// At least one is provably closed: a slot is dead (its LINK_DEAD may have been missed).
+    SomeClosed,
+    /// Nothing provable: no TCP connections (unix sockets), or a kernel that cannot tell.
+    Unknown,
 }
 
-/// Whether any of `known` is provably closed: a slot of the device is dead (the healer may
-/// have missed its LINK_DEAD). `false` when the kernel cannot tell.
-pub fn any_closed(known: &[TcpConnection]) -> bool {
-    known.iter().any(|c| {
-        matches!(
-            nbd::sockdiag::tcp_established(c.local, c.peer),
-            Ok(Some(false))
-        )
-    })
+pub fn liveness(known: &[TcpConnection]) -> Liveness {
+    let states = states(known);
+    if states.contains(&Some(false)) {
+        Liveness::SomeClosed
+    } else if !states.is_empty() && states.iter().all(|s| *s == Some(true)) {
+        Liveness::AllEstablished
+    } else {
+        Liveness::Unknown
+    }
 }
 
 /// Redials the export of `record` and offers its device the new sockets, journaling their
@@ -116,13 +125,13 @@ pub async fn offer_new_connections(
     // Proven again under the link lock: the device may have been detached while we dialed.
     let device = node.sysfs.prove(device.index(), device.identifier())?;
     let fresh = tcp_pairs(&dialed.sockets);
-    let known = node.record(volume).map(|r| r.tcp).unwrap_or_default();
+    let known = node.connections_of(volume);
     if !fresh.is_empty() {
         node.set_tcp(volume, &record.identifier, union(&known, &fresh))?;
     }
     let offered = nbd::attach::reconnect_dialed(&node.nl, &device, &dialed).await;
     drop(dialed);
-    let known = node.record(volume).map(|r| r.tcp).unwrap_or_default();
+    let known = node.connections_of(volume);
     node.set_tcp(volume, &record.identifier, still_established(&known))?;
     offered.map_err(NodeError::from)
 }

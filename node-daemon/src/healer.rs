@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use nbd::netlink::LinkDeadEvents;
 
-use crate::connections::{any_closed, may_have_dead_slot, offer_new_connections};
+use crate::connections::{liveness, offer_new_connections, Liveness};
 use crate::node::{Link, Node};
 
 // A refused dial is cheap: retry often at first, so I/O resumes soon after the export is back;
@@ -109,11 +109,15 @@ impl Healer {
             if record.export.is_none() || record.device.is_none() {
                 continue;
             }
-            if any_closed(&record.tcp) {
+            match liveness(&record.tcp) {
                 // Provably dead: reported as down from the start.
-                Arc::clone(self).heal(Arc::clone(node), record.volume_id, true);
-            } else if may_have_dead_slot(&record.tcp) {
-                Arc::clone(self).heal(Arc::clone(node), record.volume_id, false);
+                Liveness::SomeClosed => {
+                    Arc::clone(self).heal(Arc::clone(node), record.volume_id, true)
+                }
+                Liveness::Unknown => {
+                    Arc::clone(self).heal(Arc::clone(node), record.volume_id, false)
+                }
+                Liveness::AllEstablished => {}
             }
         }
     }
@@ -126,9 +130,8 @@ impl Healer {
             let Some(index) = record.device_index() else {
                 continue;
             };
-            if !record.tcp.is_empty()
-                && !self.is_healing_dead_link(&record.volume_id)
-                && any_closed(&record.tcp)
+            if !self.is_healing_dead_link(&record.volume_id)
+                && liveness(&record.tcp) == Liveness::SomeClosed
             {
                 tracing::warn!(volume = %record.volume_id, device = %index, "a connection is closed and no LINK_DEAD was heard; reconnecting");
                 Arc::clone(self).heal(Arc::clone(node), record.volume_id.clone(), true);

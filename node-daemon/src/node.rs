@@ -215,10 +215,20 @@ impl Node {
 
     /// Volumes whose link is down right now.
     pub fn links_down(&self) -> usize {
-        lock(&self.links)
-            .values()
-            .filter(|l| matches!(l, Link::Down { .. }))
-            .count()
+        count_down(&lock(&self.links))
+    }
+
+    /// How many volumes have a record.
+    pub fn record_count(&self) -> usize {
+        lock(&self.records).len()
+    }
+
+    /// The connections the journal lists for `volume`'s device (empty if none or unknown).
+    pub(crate) fn connections_of(&self, volume: &str) -> Vec<TcpConnection> {
+        lock(&self.records)
+            .get(volume)
+            .map(|r| r.tcp.clone())
+            .unwrap_or_default()
     }
 
     pub fn link(&self, volume: &str) -> Link {
@@ -228,11 +238,7 @@ impl Node {
     pub(crate) fn set_link(&self, volume: &str, link: Link) {
         let mut links = lock(&self.links);
         links.insert(volume.to_owned(), link);
-        let down = links
-            .values()
-            .filter(|l| matches!(l, Link::Down { .. }))
-            .count();
-        self.metrics.links_down.set(down as i64);
+        self.metrics.links_down.set(count_down(&links) as i64);
     }
 
     pub(crate) fn is_detaching(&self, volume: &str) -> bool {
@@ -312,6 +318,13 @@ impl Node {
         }
         Ok(self.sysfs.find(&id)?)
     }
+}
+
+fn count_down(links: &HashMap<String, Link>) -> usize {
+    links
+        .values()
+        .filter(|l| matches!(l, Link::Down { .. }))
+        .count()
 }
 
 pub(crate) fn identifier(record: &Record) -> Result<BackendId, NodeError> {

@@ -8,7 +8,6 @@
 //! Shutdown stops serving and removes the sockets; it never touches a device: the kernel owns
 //! the data path, and a restart must not interrupt I/O.
 
-use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
@@ -17,7 +16,6 @@ use csi_proto::csi::node_server::NodeServer;
 use csi_proto::registration::registration_server::RegistrationServer;
 use nbd::netlink::{LinkDeadEvents, NbdNetlink};
 use nbd::sysfs::Sysfs;
-use tokio::net::UnixListener;
 use tokio::sync::watch;
 use tokio_stream::wrappers::UnixListenerStream;
 
@@ -41,7 +39,7 @@ pub async fn run(settings: Settings) -> Result<()> {
     let node = Arc::new(Node::new(settings.clone(), journal, nl, Sysfs::default()));
     let (stop_tx, stop_rx) = watch::channel(false);
 
-    let csi = bind_socket(&settings.csi_socket)?;
+    let csi = csi_proto::socket::bind(&settings.csi_socket)?;
     let csi_server = tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(IdentityServer::new(IdentityService::new(Arc::clone(&node))))
@@ -87,7 +85,7 @@ pub async fn run(settings: Settings) -> Result<()> {
     let registration = match &settings.registration_dir {
         Some(dir) => {
             let path = dir.join(RegistrationService::socket_name());
-            let listener = bind_socket(&path)?;
+            let listener = csi_proto::socket::bind(&path)?;
             sockets.push(path);
             Some(tokio::spawn(
                 tonic::transport::Server::builder()
@@ -158,9 +156,4 @@ async fn open_netlink() -> Result<NbdNetlink> {
         }
         other => other.context("opening the nbd netlink family"),
     }
-}
-
-/// Binds a unix socket at `path` (see [`csi_proto::socket::bind`]).
-pub fn bind_socket(path: &Path) -> Result<UnixListener> {
-    Ok(csi_proto::socket::bind(path)?)
 }

@@ -319,15 +319,11 @@ fn alive_connections(r: &Record) -> Option<usize> {
     if r.tcp.is_empty() {
         return None;
     }
-    let mut alive = 0;
-    for c in &r.tcp {
-        match nbd::sockdiag::tcp_established(c.local, c.peer) {
-            Ok(Some(true)) => alive += 1,
-            Ok(Some(false)) => {}
-            Ok(None) | Err(_) => return None,
-        }
+    let states = crate::connections::states(&r.tcp);
+    if states.contains(&None) {
+        return None;
     }
-    Some(alive)
+    Some(states.iter().filter(|s| **s == Some(true)).count())
 }
 
 /// nbd device name → processes that have it open, from `/proc/*/fd`.

@@ -11,7 +11,7 @@ use crate::node::Node;
 
 /// What `systemctl status` shows under the unit's name.
 pub fn status_line(node: &Node) -> String {
-    let volumes = node.records().len();
+    let volumes = node.record_count();
     let down = node.links_down();
     format!("{volumes} volume(s) attached, {down} link(s) down")
 }

@@ -98,7 +98,7 @@ impl Node {
             return Err(e);
         }
         if current != to_bytes {
-            if !self.record_tcp(&record).is_empty() {
+            if !self.connections_of(&record.volume_id).is_empty() {
                 self.replace_connections_quiesced(&record, &device, current)
                     .await?;
             }
@@ -145,12 +145,6 @@ impl Node {
         record.size_bytes = Some(size);
         record.phase = Phase::Staged;
         self.save(record)
-    }
-
-    fn record_tcp(&self, record: &Record) -> Vec<crate::record::TcpConnection> {
-        self.record(&record.volume_id)
-            .map(|r| r.tcp)
-            .unwrap_or_default()
     }
 
     /// RECONFIGURE to `bytes`, under the link lock, and wait until the kernel shows it.
@@ -236,7 +230,7 @@ impl Node {
         device: &ProvenDevice,
         current: u64,
     ) -> Result<(), NodeError> {
-        let old = self.record_tcp(record);
+        let old = self.connections_of(&record.volume_id);
         let aborted = connections::abort_all(&old)?;
         tracing::info!(volume = %record.volume_id, aborted, "replacing connections so the server serves the new size");
         let dev = self.sysfs.dev_path(device.index());
@@ -247,7 +241,7 @@ impl Node {
             if let Err(e) = connections::offer_new_connections(self, record, device).await {
                 tracing::debug!(error = %e, "reconnect while replacing connections");
             }
-            let live = self.record_tcp(record);
+            let live = self.connections_of(&record.volume_id);
             if !old.iter().any(|c| live.contains(c)) {
                 let dev = dev.clone();
                 if off_runtime("read", move || Ok(connections::serves_size(&dev, current))).await? {
