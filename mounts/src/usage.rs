@@ -7,7 +7,7 @@ use nix::sys::statvfs::statvfs;
 use crate::Error;
 
 /// Figures for NodeGetVolumeStats, in bytes and inodes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Usage {
     pub bytes_total: u64,
     pub bytes_available: u64,

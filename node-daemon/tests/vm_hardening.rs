@@ -984,3 +984,170 @@ async fn repair_cleans_what_status_flags_and_nothing_else() {
     assert_eq!(code, 0, "{clean}");
     assert_clean(&daemon);
 }
+
+/// Runs `call`, fails the test when it took a second or more, and returns its result.
+async fn promptly<T>(what: &str, call: impl std::future::Future<Output = T>) -> T {
+    let started = Instant::now();
+    let out = call.await;
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(1),
+        "{what} took {took:?} during the outage"
+    );
+    out
+}
+
+/// Waits until NodeGetVolumeStats reports the volume's condition as `abnormal`.
+async fn wait_condition(c: &mut testkit::csi::NodeClients, vol: &Volume, abnormal: bool) -> String {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let stats = c
+            .node
+            .node_get_volume_stats(stats_request(&vol.id, &vol.target))
+            .await
+            .unwrap()
+            .into_inner();
+        let condition = stats.volume_condition.unwrap();
+        if condition.abnormal == abnormal {
+            return condition.message;
+        }
+        assert!(Instant::now() < deadline, "condition stays {condition:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn calls_made_while_the_export_is_down_answer_and_an_expansion_outlives_it() {
+    let mut daemon = NodeDaemon::new("downcalls", CONFIG).unwrap();
+    // A window between the resize and the filesystem's growth, to take the export away in.
+    let mut c = daemon.start(Some("expand-after-resize=sleep(2000)")).await;
+    let mut vol = Volume::new_on(&daemon, "downcalls", 64 * MIB, ext4(), Listen::Tcp);
+    vol.up(&mut c).await;
+    write_and_check_file(&vol.target, "before", 2 * MIB as usize, 5);
+    let index = vol.device(&daemon).unwrap();
+    let errors_before = kernel_io_errors();
+
+    // The export goes away; the kernel reports the dead link and the daemon says so.
+    vol.server.kill();
+    let message = wait_condition(&mut c, &vol, true).await;
+    assert!(message.contains("reconnecting"), "{message}");
+
+    // Every call is answered within a second, and none needs the export.
+    let stats = promptly(
+        "NodeGetVolumeStats",
+        c.node
+            .node_get_volume_stats(stats_request(&vol.id, &vol.target)),
+    )
+    .await
+    .unwrap()
+    .into_inner();
+    assert!(
+        stats.usage[0].total > 0,
+        "usage is reported during an outage: {stats:?}"
+    );
+    let second = daemon
+        .scratch()
+        .join("pods/pod-2/volumes/kubernetes.io~csi/downcalls/mount");
+    std::fs::create_dir_all(second.parent().unwrap()).unwrap();
+    let publish = publish_request(
+        &vol.id,
+        &vol.staging,
+        &second,
+        vol.cap.clone(),
+        &vol.uri(),
+        false,
+    );
+    promptly("NodePublishVolume", c.node.node_publish_volume(publish))
+        .await
+        .unwrap();
+    assert!(is_mounted(&second));
+    promptly(
+        "NodeUnpublishVolume",
+        c.node
+            .node_unpublish_volume(unpublish_request(&vol.id, &second)),
+    )
+    .await
+    .unwrap();
+    assert!(!is_mounted(&second));
+    vol.resize_backing(96 * MIB);
+    let refused = promptly(
+        "NodeExpandVolume",
+        c.node.node_expand_volume(expand_request(
+            &vol.id,
+            &vol.target,
+            &vol.staging,
+            (96 * MIB) as i64,
+        )),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(refused.code(), Code::Unavailable, "{}", refused.message());
+    assert_eq!(Sysfs::default().size_bytes(index).unwrap(), 64 * MIB);
+    promptly("Probe", c.identity.probe(ProbeRequest {}))
+        .await
+        .unwrap();
+
+    vol.server.start().unwrap();
+    wait_condition(&mut c, &vol, false).await;
+
+    // Now the export dies between the resize and the filesystem's growth: the growth waits
+    // for the heal and completes; the daemon answers meanwhile.
+    let expand = {
+        let mut node = c.node.clone();
+        let req = expand_request(&vol.id, &vol.target, &vol.staging, (96 * MIB) as i64);
+        tokio::spawn(async move { node.node_expand_volume(req).await })
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Sysfs::default().size_bytes(index).unwrap() != 96 * MIB {
+        assert!(Instant::now() < deadline, "the device never grew");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    vol.server.kill();
+    let outage = Instant::now();
+    while outage.elapsed() < Duration::from_secs(3) {
+        promptly("Probe", c.identity.probe(ProbeRequest {}))
+            .await
+            .unwrap();
+        promptly(
+            "NodeGetVolumeStats",
+            c.node
+                .node_get_volume_stats(stats_request(&vol.id, &vol.target)),
+        )
+        .await
+        .unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(!expand.is_finished(), "the growth waits for the export");
+    vol.server.start().unwrap();
+    let grown = tokio::time::timeout(Duration::from_secs(60), expand)
+        .await
+        .expect("NodeExpandVolume finishes once the export is back")
+        .unwrap()
+        .unwrap_or_else(|e| panic!("NodeExpandVolume across an outage: {e:?}"))
+        .into_inner();
+    assert_eq!(grown.capacity_bytes, (96 * MIB) as i64);
+    let usage = mounts::usage::usage(&vol.target).unwrap();
+    assert!(
+        usage.bytes_total > 80 * MIB,
+        "the filesystem grew: {usage:?}"
+    );
+    assert_eq!(
+        kernel_io_errors(),
+        errors_before,
+        "no I/O error in the kernel log"
+    );
+
+    // What was written before either outage is intact, and the volume works.
+    vol.unpublish(&mut c).await.unwrap();
+    vol.unstage(&mut c).await.unwrap();
+    vol.up(&mut c).await;
+    let before = std::fs::read(vol.target.join("before")).unwrap();
+    assert!(
+        before == pattern(5, 0, 2 * MIB as usize),
+        "data from before the outages"
+    );
+    write_and_check_file(&vol.target, "after", 2 * MIB as usize, 6);
+    vol.down(&mut c).await;
+    assert_clean(&daemon);
+}

@@ -163,7 +163,7 @@ impl NodeApi for NodeService {
             // An unknown volume is NOT_FOUND whatever else is wrong with the request.
             self.node.require_known(&volume)?;
             let path = resolved(abs_path("volume_path", &r.volume_path)?);
-            let stats = self.node.stats(&volume, &path)?;
+            let stats = self.node.stats(&volume, &path).await?;
             let usage = match stats.usage {
                 Usage::Filesystem(u) => vec![
                     VolumeUsage {

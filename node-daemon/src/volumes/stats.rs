@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use crate::error::NodeError;
 use crate::ids::VolumeId;
-use crate::node::{identifier, Link, Node};
+use crate::node::{identifier, off_runtime, Link, Node};
 use crate::record::{Access, Record};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -26,7 +26,7 @@ pub struct Stats {
 }
 
 impl Node {
-    pub fn stats(&self, volume: &VolumeId, path: &Path) -> Result<Stats, NodeError> {
+    pub async fn stats(&self, volume: &VolumeId, path: &Path) -> Result<Stats, NodeError> {
         self.ensure_ready()?;
         let record = self.record(volume.as_str()).ok_or_else(|| {
             NodeError::NotFound(format!("volume {volume} is not staged on this node"))
@@ -39,17 +39,17 @@ impl Node {
         }
         let (abnormal, message) = self.condition(&record)?;
         let usage = match &record.access {
-            Access::Mount { .. } => match mounts::usage::usage(path) {
-                Ok(u) if !abnormal || self.mounted_here(&record, path) => Usage::Filesystem(u),
-                _ => Usage::Filesystem(mounts::usage::Usage {
-                    bytes_total: 0,
-                    bytes_available: 0,
-                    bytes_used: 0,
-                    inodes_total: 0,
-                    inodes_free: 0,
-                    inodes_used: 0,
-                }),
-            },
+            Access::Mount { .. } => {
+                // statvfs walks the path into the volume's filesystem: off the runtime, in case
+                // that needs the device while its export is down.
+                let at = path.to_owned();
+                let measured =
+                    off_runtime("statvfs", move || Ok(mounts::usage::usage(&at))).await?;
+                match measured {
+                    Ok(u) if !abnormal || self.mounted_here(&record, path) => Usage::Filesystem(u),
+                    _ => Usage::Filesystem(mounts::usage::Usage::default()),
+                }
+            }
             Access::Block => Usage::Block {
                 bytes: record
                     .device_index()
