@@ -635,7 +635,7 @@ fn is_mount_point(path: &Path) -> Result<bool, NodeError> {
 /// The kernel takes sizes in whole logical blocks: an export whose size is not a multiple of
 /// 512 bytes would be cut short or refused deep in CONNECT. Said plainly instead.
 fn check_export_size(volume: &str, size: u64) -> Result<(), NodeError> {
-    if size == 0 || size % 512 != 0 {
+    if size == 0 || !size.is_multiple_of(512) {
         return Err(NodeError::FailedPrecondition(format!(
             "the export of volume {volume} is {size} bytes, not a positive multiple of 512: the kernel cannot attach it"
         )));
