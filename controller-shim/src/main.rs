@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 use controller_shim::backend::local::LocalBackend;
 use controller_shim::backend::ustor::api::UstorApi;
 use controller_shim::backend::ustor::backend::UstorBackend;
@@ -16,6 +16,8 @@ use controller_shim::backend::ustor::login::Timing;
 use controller_shim::backend::Backend;
 use controller_shim::exports::ExportServer;
 use controller_shim::ids::valid_cluster_id;
+use controller_shim::kube::{Glue, Settings};
+use controller_shim::service::Nodes;
 
 #[derive(Debug, Parser)]
 #[command(version, about = "ustor-nbd CSI controller")]
@@ -32,47 +34,56 @@ enum BackendKind {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    Serve {
-        /// unix:///path of the CSI socket the sidecars use.
-        #[arg(long, default_value = "unix:///csi/csi.sock")]
-        csi_endpoint: String,
-        #[arg(long, value_enum, default_value = "local")]
-        backend: BackendKind,
-        /// Prefix of every image name: one storage system can serve several clusters.
-        #[arg(long, default_value = "k8s")]
-        cluster_id: String,
-        /// local: directory of image files.
-        #[arg(long, default_value = "/var/lib/ustor-csi-controller")]
-        local_dir: PathBuf,
-        /// local: where the export server listens.
-        #[arg(long, default_value = "127.0.0.1:10809")]
-        local_listen: SocketAddr,
-        /// local: host:port nodes dial (default: the listen address).
-        #[arg(long)]
-        local_export_address: Option<String>,
-        /// local: do not start nbdkit (something else serves the directory).
-        #[arg(long)]
-        no_export_server: bool,
-        /// ustor: the management API (controlPlane.address).
-        #[arg(long)]
-        ustor_url: Option<String>,
-        /// ustor: directory with `username` and `password` files (the mounted Secret).
-        #[arg(long, default_value = "/etc/ustor-csi/credentials")]
-        ustor_credentials: PathBuf,
-        /// ustor: CA certificate of the management API (PEM).
-        #[arg(long)]
-        ustor_ca: Option<PathBuf>,
-        /// ustor: allow an http:// management API (the password would cross the network in
-        /// clear text); for test setups only.
-        #[arg(long)]
-        ustor_allow_insecure_http: bool,
-        /// ip:port to serve Prometheus /metrics on (off unless given; e.g. 127.0.0.1:9810).
-        #[arg(long)]
-        metrics_address: Option<SocketAddr>,
-        /// ustor: pool of volumes whose StorageClass names none.
-        #[arg(long, default_value = "data")]
-        ustor_pool: String,
-    },
+    Serve(Box<ServeArgs>),
+    /// Print the CustomResourceDefinitions (the content of deploy/crds.yaml).
+    Crds,
+}
+
+#[derive(Debug, Args)]
+struct ServeArgs {
+    /// unix:///path of the CSI socket the sidecars use.
+    #[arg(long, default_value = "unix:///csi/csi.sock")]
+    csi_endpoint: String,
+    #[arg(long, value_enum, default_value = "local")]
+    backend: BackendKind,
+    /// Prefix of every image name: one storage system can serve several clusters.
+    #[arg(long, default_value = "k8s")]
+    cluster_id: String,
+    /// local: directory of image files.
+    #[arg(long, default_value = "/var/lib/ustor-csi-controller")]
+    local_dir: PathBuf,
+    /// local: where the export server listens.
+    #[arg(long, default_value = "127.0.0.1:10809")]
+    local_listen: SocketAddr,
+    /// local: host:port nodes dial (default: the listen address).
+    #[arg(long)]
+    local_export_address: Option<String>,
+    /// local: do not start nbdkit (something else serves the directory).
+    #[arg(long)]
+    no_export_server: bool,
+    /// ustor: the management API (controlPlane.address).
+    #[arg(long)]
+    ustor_url: Option<String>,
+    /// ustor: directory with `username` and `password` files (the mounted Secret).
+    #[arg(long, default_value = "/etc/ustor-csi/credentials")]
+    ustor_credentials: PathBuf,
+    /// ustor: CA certificate of the management API (PEM).
+    #[arg(long)]
+    ustor_ca: Option<PathBuf>,
+    /// ustor: allow an http:// management API (the password would cross the network in
+    /// clear text); for test setups only.
+    #[arg(long)]
+    ustor_allow_insecure_http: bool,
+    /// ip:port to serve Prometheus /metrics on (off unless given; e.g. 127.0.0.1:9810).
+    #[arg(long)]
+    metrics_address: Option<SocketAddr>,
+    /// ustor: pool of volumes whose StorageClass names none.
+    #[arg(long, default_value = "data")]
+    ustor_pool: String,
+    /// Run the Kubernetes glue (custom resources, StorageClasses, node checks), with the
+    /// in-cluster service account or $KUBECONFIG.
+    #[arg(long)]
+    kubernetes: bool,
 }
 
 fn main() -> Result<()> {
@@ -82,7 +93,17 @@ fn main() -> Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
-    let Command::Serve {
+    match Cli::parse().command {
+        Command::Crds => {
+            print!("{}", controller_shim::kube::crd::crds_yaml());
+            Ok(())
+        }
+        Command::Serve(args) => serve(*args),
+    }
+}
+
+fn serve(args: ServeArgs) -> Result<()> {
+    let ServeArgs {
         csi_endpoint,
         backend,
         cluster_id,
@@ -96,7 +117,8 @@ fn main() -> Result<()> {
         ustor_allow_insecure_http,
         metrics_address,
         ustor_pool,
-    } = Cli::parse().command;
+        kubernetes,
+    } = args;
     valid_cluster_id(&cluster_id).map_err(anyhow::Error::msg)?;
     let socket = PathBuf::from(
         csi_endpoint
@@ -172,8 +194,21 @@ fn main() -> Result<()> {
                 ),
                 None => None,
             };
+            let glue = if kubernetes {
+                let client = kube::Client::try_default()
+                    .await
+                    .map_err(|e| anyhow::anyhow!("--kubernetes: no Kubernetes client: {e}"))?;
+                Some(Glue::start(client, Settings::default()))
+            } else {
+                None
+            };
+            let nodes = glue
+                .as_ref()
+                .map(|g| Arc::new(g.nodes.clone()) as Arc<dyn Nodes>);
             let result =
-                controller_shim::server::serve(&socket, backend, cluster_id, metrics, stop).await;
+                controller_shim::server::serve(&socket, backend, cluster_id, metrics, nodes, stop)
+                    .await;
+            drop(glue);
             for task in background {
                 task.abort();
             }

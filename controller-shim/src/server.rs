@@ -21,6 +21,7 @@ pub async fn serve(
     backend: Arc<dyn Backend>,
     cluster_id: String,
     metrics_listener: Option<tokio::net::TcpListener>,
+    nodes: Option<Arc<dyn crate::service::Nodes>>,
     stop: impl std::future::Future<Output = ()>,
 ) -> Result<()> {
     let listener = csi_proto::socket::bind(socket).context("the CSI socket")?;
@@ -37,9 +38,13 @@ pub async fn serve(
     });
     tonic::transport::Server::builder()
         .add_service(IdentityServer::new(IdentityService))
-        .add_service(ControllerServer::new(ControllerService::new(
-            backend, cluster_id, metrics,
-        )))
+        .add_service(ControllerServer::new({
+            let service = ControllerService::new(backend, cluster_id, metrics);
+            match nodes {
+                Some(nodes) => service.with_nodes(nodes),
+                None => service,
+            }
+        }))
         .serve_with_incoming_shutdown(UnixListenerStream::new(listener), stop)
         .await?;
     let _ = std::fs::remove_file(socket);

@@ -68,6 +68,7 @@ async fn start() -> Controller {
                 Arc::new(backend),
                 "test".into(),
                 Some(metrics_listener),
+                None,
                 std::future::pending(),
             )
             .await

@@ -49,6 +49,7 @@ async fn controller(
                 Arc::new(backend),
                 "test".into(),
                 None,
+                None,
                 std::future::pending(),
             )
             .await

@@ -24,7 +24,8 @@ pub use csi_proto::TOPOLOGY_KEY;
 pub const DEFAULT_SIZE: u64 = 1 << 30;
 
 /// Parameters a StorageClass may set. Kubernetes' own (`csi.storage.k8s.io/…`) pass too.
-const PARAMETERS: &[&str] = &["pool", "nbdConnections"];
+/// `connection` names the MindUstorStorageConnection (StorageClasses the glue makes carry it).
+const PARAMETERS: &[&str] = &["pool", "nbdConnections", "connection"];
 
 #[derive(Debug)]
 pub struct ControllerService {
@@ -34,6 +35,8 @@ pub struct ControllerService {
     /// long copy for a clone holds its own images, not every other call.
     images: KeyedLocks,
     metrics: Arc<crate::metrics::ControllerMetrics>,
+    /// Known nodes, when running in Kubernetes; without it every node id is taken as given.
+    nodes: Option<Arc<dyn super::Nodes>>,
 }
 
 impl ControllerService {
@@ -47,6 +50,26 @@ impl ControllerService {
             backend,
             cluster_id,
             images: KeyedLocks::default(),
+            nodes: None,
+        }
+    }
+
+    /// Checks ControllerPublishVolume's node id against `nodes`.
+    pub fn with_nodes(mut self, nodes: Arc<dyn super::Nodes>) -> Self {
+        self.nodes = Some(nodes);
+        self
+    }
+
+    fn require_node(&self, node_id: &str) -> Result<(), ControllerError> {
+        match self.nodes.as_ref().map(|n| n.has_node(node_id)) {
+            None | Some(Some(true)) => Ok(()),
+            Some(Some(false)) => Err(ControllerError::NotFound(format!(
+                "node {node_id:?} has no CSINode entry for {}: is ustor-csi-node running there?",
+                csi_proto::DRIVER_NAME
+            ))),
+            Some(None) => Err(ControllerError::Unavailable(
+                "the list of nodes is still loading from the Kubernetes API; retry".into(),
+            )),
         }
     }
 
@@ -272,6 +295,7 @@ impl ControllerService {
         let mode = check_capability(cap)?;
         let _locked = self.images.lock(&format!("v:{}", h.image)).await;
         let mut meta = self.existing_volume(&h).await?;
+        self.require_node(&r.node_id)?;
         match meta.published.get(&r.node_id) {
             Some(ro) if *ro != r.readonly => {
                 return Err(ControllerError::AlreadyExists(format!(

@@ -8,6 +8,7 @@ pub mod csi;
 pub mod daemon;
 mod direct;
 pub mod fake_ustor;
+pub mod kube_cluster;
 pub mod placement;
 pub mod proxy;
 mod server;

@@ -1,0 +1,484 @@
+//! The Kubernetes glue against a real kube-apiserver and kube-controller-manager (Kubernetes
+//! 1.20, built by tests/kube/build-apiserver), started by each test. Ignored in a plain
+//! `cargo test`; `tests/kube/run` runs them.
+
+#![allow(clippy::unwrap_used)] // a test fails by panicking
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use controller_shim::kube::crd::{
+    FsType, MindUstorStorageClass, MindUstorStorageClassSpec, Phase, ReclaimPolicy,
+    VolumeBindingMode,
+};
+use controller_shim::kube::{Glue, Settings};
+use k8s_openapi::api::storage::v1::StorageClass;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::Client;
+use testkit::kube_cluster::KubeCluster;
+
+async fn client(cluster: &KubeCluster) -> Client {
+    let _ = tracing_subscriber::fmt()
+        .with_test_writer()
+        .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
+        .try_init();
+    let kubeconfig = kube::config::Kubeconfig::read_from(&cluster.kubeconfig).unwrap();
+    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+        .await
+        .unwrap();
+    Client::try_from(config).unwrap()
+}
+
+/// `kubectl apply -f -` of `yaml`; panics with kubectl's words when it fails.
+fn apply(cluster: &KubeCluster, yaml: &str) {
+    let out = cluster.kubectl_stdin(&["apply", "-f", "-"], yaml).unwrap();
+    assert!(
+        out.status.success(),
+        "kubectl apply: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Installs the CRDs as an operator would, from the committed file, and waits until served.
+fn install_crds(cluster: &KubeCluster) {
+    let crds = include_str!("../../deploy/crds.yaml");
+    apply(cluster, crds);
+    let out = cluster
+        .kubectl(&[
+            "wait",
+            "--for=condition=established",
+            "--timeout=60s",
+            "crd/mindustorstorageconnections.storage.deckhouse.io",
+            "crd/mindustorstorageclasses.storage.deckhouse.io",
+        ])
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Polls `probe` until it gives a value, for at most `timeout`.
+async fn eventually<T, F, Fut>(what: &str, timeout: Duration, mut probe: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let started = Instant::now();
+    loop {
+        if let Some(v) = probe().await {
+            return v;
+        }
+        assert!(
+            started.elapsed() < timeout,
+            "{what}: not within {timeout:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+fn connection_yaml(name: &str) -> String {
+    format!(
+        "apiVersion: storage.deckhouse.io/v1alpha1\nkind: MindUstorStorageConnection\nmetadata:\n  name: {name}\n\
+         spec:\n  controlPlane:\n    address: https://ustor.example:23004\n    credentialsSecretName: creds\n\
+         \x20 dataPlane:\n    etcdAddresses: [\"https://10.0.0.1:23000\"]\n    osdNetwork: 10.0.0.0/24\n\
+         \x20   tlsSecretName: tls\n"
+    )
+}
+
+fn class_spec(connection: &str, pool: &str) -> MindUstorStorageClassSpec {
+    MindUstorStorageClassSpec {
+        connection_name: connection.into(),
+        pool: pool.into(),
+        fs_type: FsType::Ext4,
+        reclaim_policy: ReclaimPolicy::Delete,
+        volume_binding_mode: VolumeBindingMode::WaitForFirstConsumer,
+    }
+}
+
+async fn create_class(api: &Api<MindUstorStorageClass>, name: &str, connection: &str) {
+    let class = MindUstorStorageClass::new(name, class_spec(connection, "data"));
+    api.create(&PostParams::default(), &class).await.unwrap();
+}
+
+/// What an operator's `kubectl edit` of the pool does.
+async fn set_pool(api: &Api<MindUstorStorageClass>, name: &str, pool: &str) {
+    let patch = Patch::Merge(serde_json::json!({ "spec": { "pool": pool } }));
+    api.patch(name, &PatchParams::default(), &patch)
+        .await
+        .unwrap();
+}
+
+/// The status of a MindUstorStorageClass once its phase is `phase`.
+async fn wait_phase(
+    api: &Api<MindUstorStorageClass>,
+    name: &str,
+    phase: Phase,
+) -> MindUstorStorageClass {
+    eventually(
+        &format!("{name} in phase {phase:?}"),
+        Duration::from_secs(60),
+        || async {
+            let class = api.get(name).await.ok()?;
+            let status = class.status.as_ref()?;
+            (status.phase == Some(phase)).then_some(class)
+        },
+    )
+    .await
+}
+
+/// The minimal VolumeSnapshotClass CRD of the external-snapshotter (enough to serve the API).
+const SNAPSHOT_CLASS_CRD: &str = r#"
+apiVersion: apiextensions.k8s.io/v1
+kind: CustomResourceDefinition
+metadata:
+  name: volumesnapshotclasses.snapshot.storage.k8s.io
+  annotations:
+    api-approved.kubernetes.io: "unapproved, the glue tests' stand-in for external-snapshotter's CRD"
+spec:
+  group: snapshot.storage.k8s.io
+  names:
+    kind: VolumeSnapshotClass
+    plural: volumesnapshotclasses
+    singular: volumesnapshotclass
+  scope: Cluster
+  versions:
+  - name: v1
+    served: true
+    storage: true
+    schema:
+      openAPIV3Schema:
+        type: object
+        x-kubernetes-preserve-unknown-fields: true
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "kube: needs the test API server (tests/kube/run)"]
+async fn a_storage_class_follows_its_resource_and_keeps_what_admins_set() {
+    let mut cluster = KubeCluster::start().unwrap();
+    cluster.start_controller_manager().unwrap();
+    install_crds(&cluster);
+    let client = client(&cluster).await;
+    let _glue = Glue::start(
+        client.clone(),
+        Settings {
+            snapshot_api_poll: Duration::from_secs(1),
+        },
+    );
+    let classes: Api<MindUstorStorageClass> = Api::all(client.clone());
+    let storage_classes: Api<StorageClass> = Api::all(client.clone());
+
+    // A class naming a connection that does not exist yet: Failed, no StorageClass.
+    create_class(&classes, "fast", "main").await;
+    let failed = wait_phase(&classes, "fast", Phase::Failed).await;
+    let reason = failed.status.unwrap().reason.unwrap();
+    assert!(reason.contains("\"main\" does not exist"), "{reason}");
+    assert!(storage_classes.get_opt("fast").await.unwrap().is_none());
+
+    // The connection appears: the class is created at once (not at the next retry).
+    apply(&cluster, &connection_yaml("main"));
+    let created = wait_phase(&classes, "fast", Phase::Created).await;
+    let sc = storage_classes.get("fast").await.unwrap();
+    assert_eq!(sc.provisioner, csi_proto::DRIVER_NAME);
+    let params = sc.parameters.clone().unwrap();
+    assert_eq!(params["pool"], "data");
+    assert_eq!(params["connection"], "main");
+    assert_eq!(params["csi.storage.k8s.io/fstype"], "ext4");
+    assert_eq!(sc.reclaim_policy.as_deref(), Some("Delete"));
+    assert_eq!(
+        sc.volume_binding_mode.as_deref(),
+        Some("WaitForFirstConsumer")
+    );
+    assert_eq!(sc.allow_volume_expansion, Some(true));
+    let topology = &sc.allowed_topologies.clone().unwrap()[0];
+    let requirement = &topology.match_label_expressions.clone().unwrap()[0];
+    assert_eq!(requirement.key, csi_proto::TOPOLOGY_KEY);
+    let annotations = sc.metadata.annotations.clone().unwrap();
+    assert_eq!(
+        annotations["storage.deckhouse.io/volumesnapshotclass"],
+        "csi-mind-ustor"
+    );
+    assert_eq!(
+        annotations["virtualdisk.virtualization.deckhouse.io/volume-mode"],
+        "Block"
+    );
+    let owner = &sc.metadata.owner_references.clone().unwrap()[0];
+    assert_eq!(Some(&owner.uid), created.metadata.uid.as_ref());
+
+    // No writes when nothing changed: the resource version stays put.
+    let version = created.metadata.resource_version.clone();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        classes.get("fast").await.unwrap().metadata.resource_version,
+        version,
+        "status written again although nothing changed"
+    );
+
+    // An admin's annotation value is kept; a removed one of ours comes back.
+    let out = cluster
+        .kubectl(&[
+            "annotate",
+            "--overwrite",
+            "storageclass/fast",
+            "virtualdisk.virtualization.deckhouse.io/access-mode=ReadWriteOnce",
+            "storage.deckhouse.io/volumesnapshotclass-",
+        ])
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let annotations = eventually(
+        "the removed annotation back",
+        Duration::from_secs(30),
+        || async {
+            let sc = storage_classes.get("fast").await.ok()?;
+            let a = sc.metadata.annotations?;
+            a.contains_key("storage.deckhouse.io/volumesnapshotclass")
+                .then_some(a)
+        },
+    )
+    .await;
+    assert_eq!(
+        annotations["virtualdisk.virtualization.deckhouse.io/access-mode"],
+        "ReadWriteOnce"
+    );
+
+    // A changed spec: Failed, naming the change; the StorageClass is left as it was.
+    set_pool(&classes, "fast", "other").await;
+    let changed = wait_phase(&classes, "fast", Phase::Failed).await;
+    let reason = changed.status.unwrap().reason.unwrap();
+    assert!(reason.contains("pool is \"data\""), "{reason}");
+    assert_eq!(
+        storage_classes
+            .get("fast")
+            .await
+            .unwrap()
+            .parameters
+            .unwrap()["pool"],
+        "data"
+    );
+    set_pool(&classes, "fast", "data").await;
+    wait_phase(&classes, "fast", Phase::Created).await;
+
+    // A StorageClass of the same name that is not ours is never taken over.
+    apply(
+        &cluster,
+        "apiVersion: storage.k8s.io/v1\nkind: StorageClass\nmetadata:\n  name: taken\nprovisioner: example.com/other\n",
+    );
+    create_class(&classes, "taken", "main").await;
+    let refused = wait_phase(&classes, "taken", Phase::Failed).await;
+    assert!(
+        refused
+            .status
+            .unwrap()
+            .reason
+            .unwrap()
+            .contains("not managed by"),
+        "foreign StorageClass"
+    );
+    assert_eq!(
+        storage_classes.get("taken").await.unwrap().provisioner,
+        "example.com/other"
+    );
+
+    // Deleting the resource deletes its StorageClass (garbage collector), nothing else.
+    classes
+        .delete("fast", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually(
+        "StorageClass fast deleted",
+        Duration::from_secs(60),
+        || async {
+            storage_classes
+                .get_opt("fast")
+                .await
+                .ok()
+                .and_then(|sc| sc.is_none().then_some(()))
+        },
+    )
+    .await;
+    assert!(storage_classes.get_opt("taken").await.unwrap().is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "kube: needs the test API server (tests/kube/run)"]
+async fn the_snapshot_class_exists_only_while_the_snapshot_api_is_served() {
+    let cluster = KubeCluster::start().unwrap();
+    install_crds(&cluster);
+    let client = client(&cluster).await;
+    let _glue = Glue::start(
+        client.clone(),
+        Settings {
+            snapshot_api_poll: Duration::from_secs(1),
+        },
+    );
+    // Without the API nothing fails, and the glue keeps serving the rest.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    apply(&cluster, &connection_yaml("main"));
+    let classes: Api<MindUstorStorageClass> = Api::all(client.clone());
+    create_class(&classes, "one", "main").await;
+    wait_phase(&classes, "one", Phase::Created).await;
+
+    // The API appears (a snapshot module is installed): the class follows within seconds.
+    apply(&cluster, SNAPSHOT_CLASS_CRD);
+    let found = eventually(
+        "VolumeSnapshotClass csi-mind-ustor",
+        Duration::from_secs(60),
+        || async {
+            let out = cluster
+                .kubectl(&["get", "volumesnapshotclass", "csi-mind-ustor", "-o", "json"])
+                .ok()?;
+            out.status
+                .success()
+                .then(|| serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap())
+        },
+    )
+    .await;
+    assert_eq!(found["driver"], csi_proto::DRIVER_NAME);
+    assert_eq!(found["deletionPolicy"], "Delete");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "kube: needs the test API server (tests/kube/run)"]
+async fn reconcilers_come_back_after_the_api_server_does() {
+    let mut cluster = KubeCluster::start().unwrap();
+    install_crds(&cluster);
+    let client = client(&cluster).await;
+    let glue = Glue::start(client.clone(), Settings::default());
+    apply(&cluster, &connection_yaml("main"));
+    let classes: Api<MindUstorStorageClass> = Api::all(client.clone());
+    create_class(&classes, "before", "main").await;
+    wait_phase(&classes, "before", Phase::Created).await;
+
+    cluster.stop_apiserver();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    cluster.start_apiserver().unwrap();
+    // Watches retry with client-go's back-off (at most 30 s apart), so within about 30 s
+    // of the API server's return the glue is current again.
+
+    create_class(&classes, "after", "main").await;
+    wait_phase(&classes, "after", Phase::Created).await;
+    let storage_classes: Api<StorageClass> = Api::all(client.clone());
+    let names: Vec<String> = storage_classes
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter_map(|sc| sc.metadata.name)
+        .collect();
+    assert_eq!(names, ["after", "before"], "exactly one StorageClass each");
+
+    // The node list came back too: a node registered after the outage is known.
+    register_node(&cluster, "node-b");
+    eventually("node-b known", Duration::from_secs(60), || async {
+        use controller_shim::service::Nodes;
+        (glue.nodes.has_node("node-b") == Some(true)).then_some(())
+    })
+    .await;
+}
+
+/// A CSINode as kubelet's registration creates it for a node running our node service.
+fn register_node(cluster: &KubeCluster, name: &str) {
+    apply(
+        cluster,
+        &format!(
+            "apiVersion: storage.k8s.io/v1\nkind: CSINode\nmetadata:\n  name: {name}\nspec:\n  drivers:\n\
+             \x20 - name: {}\n    nodeID: {name}\n    topologyKeys: [\"{}\"]\n",
+            csi_proto::DRIVER_NAME,
+            csi_proto::TOPOLOGY_KEY
+        ),
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "kube: needs the test API server (tests/kube/run)"]
+async fn controller_publish_to_a_node_without_our_driver_is_not_found() {
+    use controller_shim::backend::local::LocalBackend;
+    use csi_proto::csi::controller_client::ControllerClient;
+    use csi_proto::csi::volume_capability::access_mode::Mode;
+    use csi_proto::csi::*;
+
+    let cluster = KubeCluster::start().unwrap();
+    let client = client(&cluster).await;
+    let glue = Glue::start(client, Settings::default());
+    register_node(&cluster, "node-a");
+    // Another driver's node: not ours to attach to.
+    apply(
+        &cluster,
+        "apiVersion: storage.k8s.io/v1\nkind: CSINode\nmetadata:\n  name: node-c\nspec:\n  drivers:\n\
+         \x20 - name: other.csi.example.com\n    nodeID: node-c\n",
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let backend = LocalBackend::open(&dir.path().join("store"), "127.0.0.1:10809").unwrap();
+    let socket = dir.path().join("csi.sock");
+    let nodes: Arc<dyn controller_shim::service::Nodes> = Arc::new(glue.nodes.clone());
+    let server = {
+        let socket = socket.clone();
+        tokio::spawn(async move {
+            controller_shim::server::serve(
+                &socket,
+                Arc::new(backend),
+                "test".into(),
+                None,
+                Some(nodes),
+                std::future::pending(),
+            )
+            .await
+            .unwrap();
+        })
+    };
+    let mut csi =
+        ControllerClient::new(testkit::csi::wait_connect(&socket, Duration::from_secs(10)).await);
+    let cap = testkit::csi::mount_capability("ext4", Mode::SingleNodeWriter);
+    let volume = csi
+        .create_volume(CreateVolumeRequest {
+            name: "pvc-1".into(),
+            capacity_range: Some(CapacityRange {
+                required_bytes: 1 << 20,
+                limit_bytes: 0,
+            }),
+            volume_capabilities: vec![cap.clone()],
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    let publish = |node: &str| ControllerPublishVolumeRequest {
+        volume_id: volume.volume_id.clone(),
+        node_id: node.into(),
+        volume_capability: Some(cap.clone()),
+        ..Default::default()
+    };
+    let published = eventually("node-a known", Duration::from_secs(30), || {
+        let mut csi = csi.clone();
+        let req = publish("node-a");
+        async move { csi.controller_publish_volume(req).await.ok() }
+    })
+    .await;
+    assert!(published
+        .into_inner()
+        .publish_context
+        .contains_key("nbdUri"));
+    for ghost in ["ghost", "node-c"] {
+        let err = csi
+            .controller_publish_volume(publish(ghost))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            err.code(),
+            tonic::Code::NotFound,
+            "{ghost}: {}",
+            err.message()
+        );
+        assert!(err.message().contains("CSINode"), "{}", err.message());
+    }
+    server.abort();
+}

@@ -1,0 +1,250 @@
+//! A real Kubernetes control plane for the glue tests: etcd, kube-apiserver and, on request,
+//! kube-controller-manager (which owns garbage collection), as child processes on loopback.
+//! The binaries come from `tests/kube/build-apiserver`'s cache, named by `$USTOR_KUBE_BIN`
+//! (`tests/kube/run` sets it). No kubelet runs: nodes are objects the tests create.
+
+use std::io;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// Where the control plane's binaries are.
+pub fn bin_dir() -> PathBuf {
+    std::env::var_os("USTOR_KUBE_BIN").map(PathBuf::from).expect(
+        "USTOR_KUBE_BIN is not set: run the Kubernetes tests with tests/kube/run, which builds the API server",
+    )
+}
+
+fn free_port() -> io::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+#[derive(Debug)]
+pub struct KubeCluster {
+    dir: tempfile::TempDir,
+    etcd: Child,
+    apiserver: Option<Child>,
+    controller_manager: Option<Child>,
+    etcd_url: String,
+    port: u16,
+    /// `https://127.0.0.1:<port>`.
+    pub url: String,
+    /// A bearer token of a `system:masters` user.
+    pub token: String,
+    /// A kubeconfig for that user (kubectl, kube-controller-manager).
+    pub kubeconfig: PathBuf,
+}
+
+impl KubeCluster {
+    /// Starts etcd and the API server and waits until `/readyz` answers.
+    pub fn start() -> io::Result<Self> {
+        let dir = tempfile::Builder::new().prefix("kube").tempdir()?;
+        let root = dir.path();
+        let (client, peer, metrics) = (free_port()?, free_port()?, free_port()?);
+        let etcd_url = format!("http://127.0.0.1:{client}");
+        let peer_url = format!("http://127.0.0.1:{peer}");
+        let etcd = Command::new(bin_dir().join("etcd"))
+            .arg("--data-dir")
+            .arg(root.join("etcd"))
+            .args(["--listen-client-urls", &etcd_url])
+            .args(["--advertise-client-urls", &etcd_url])
+            .args(["--listen-peer-urls", &peer_url])
+            .args(["--initial-advertise-peer-urls", &peer_url])
+            .args(["--initial-cluster", &format!("default={peer_url}")])
+            .args([
+                "--listen-metrics-urls",
+                &format!("http://127.0.0.1:{metrics}"),
+            ])
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(root.join("etcd.log"))?)
+            .spawn()?;
+        let key = root.join("sa.key");
+        let made = Command::new("openssl")
+            .args(["genrsa", "-out"])
+            .arg(&key)
+            .arg("2048")
+            .stderr(Stdio::null())
+            .status()?;
+        if !made.success() {
+            return Err(io::Error::other("openssl genrsa failed"));
+        }
+        let token = format!("test-{}", std::process::id());
+        std::fs::write(
+            root.join("tokens.csv"),
+            format!("{token},admin,admin,\"system:masters\"\n"),
+        )?;
+        let port = free_port()?;
+        let url = format!("https://127.0.0.1:{port}");
+        let kubeconfig = root.join("kubeconfig");
+        std::fs::write(
+            &kubeconfig,
+            format!(
+                "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: {url}\n    \
+                 insecure-skip-tls-verify: true\nusers:\n- name: admin\n  user:\n    token: {token}\n\
+                 contexts:\n- name: test\n  context:\n    cluster: test\n    user: admin\ncurrent-context: test\n"
+            ),
+        )?;
+        let mut me = Self {
+            dir,
+            etcd,
+            apiserver: None,
+            controller_manager: None,
+            etcd_url,
+            port,
+            url,
+            token,
+            kubeconfig,
+        };
+        me.start_apiserver()?;
+        Ok(me)
+    }
+
+    fn root(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Starts (again) the API server on the same port and data, and waits until it is ready.
+    pub fn start_apiserver(&mut self) -> io::Result<()> {
+        let root = self.root().to_owned();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(root.join("apiserver.log"))?;
+        let child = Command::new(bin_dir().join("kube-apiserver"))
+            .args(["--etcd-servers", &self.etcd_url])
+            .args([
+                "--bind-address",
+                "127.0.0.1",
+                "--advertise-address",
+                "127.0.0.1",
+            ])
+            .args(["--secure-port", &self.port.to_string()])
+            .arg("--cert-dir")
+            .arg(root.join("certs"))
+            .arg("--token-auth-file")
+            .arg(root.join("tokens.csv"))
+            .args(["--authorization-mode", "RBAC"])
+            .args(["--service-cluster-ip-range", "10.0.0.0/24"])
+            .args(["--service-account-issuer", "https://kubernetes.default.svc"])
+            .arg("--service-account-key-file")
+            .arg(root.join("sa.key"))
+            .arg("--service-account-signing-key-file")
+            .arg(root.join("sa.key"))
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()?;
+        self.apiserver = Some(child);
+        self.wait_ready(Duration::from_secs(90))
+    }
+
+    /// Stops the API server (etcd keeps the data), as an outage of the control plane.
+    pub fn stop_apiserver(&mut self) {
+        if let Some(mut child) = self.apiserver.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts kube-controller-manager (garbage collection of owned objects, among others).
+    pub fn start_controller_manager(&mut self) -> io::Result<()> {
+        let root = self.root().to_owned();
+        let child = Command::new(bin_dir().join("kube-controller-manager"))
+            .arg("--kubeconfig")
+            .arg(&self.kubeconfig)
+            .args(["--bind-address", "127.0.0.1", "--port", "0"])
+            .args(["--secure-port", &free_port()?.to_string()])
+            .args([
+                "--leader-elect=false",
+                "--use-service-account-credentials=false",
+            ])
+            .arg("--service-account-private-key-file")
+            .arg(root.join("sa.key"))
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(root.join("controller-manager.log"))?)
+            .spawn()?;
+        self.controller_manager = Some(child);
+        Ok(())
+    }
+
+    fn wait_ready(&mut self, timeout: Duration) -> io::Result<()> {
+        let started = Instant::now();
+        loop {
+            if let Some(status) = self
+                .apiserver
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                return Err(io::Error::other(format!(
+                    "kube-apiserver exited ({status}); its log: {}",
+                    self.log_tail("apiserver.log")
+                )));
+            }
+            let out = self.kubectl(&["get", "--raw", "/readyz"])?;
+            if out.status.success() {
+                return Ok(());
+            }
+            if started.elapsed() > timeout {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!(
+                        "kube-apiserver not ready: {}",
+                        self.log_tail("apiserver.log")
+                    ),
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    }
+
+    /// The last lines of one of the control plane's logs, for failure messages.
+    pub fn log_tail(&self, name: &str) -> String {
+        let text = std::fs::read_to_string(self.root().join(name)).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(20)..].join("\n")
+    }
+
+    /// Runs the cached kubectl (the API server's own version) against this cluster.
+    pub fn kubectl(&self, args: &[&str]) -> io::Result<Output> {
+        Command::new(bin_dir().join("kubectl"))
+            .arg("--kubeconfig")
+            .arg(&self.kubeconfig)
+            .args(args)
+            .output()
+    }
+
+    /// Like [`kubectl`](Self::kubectl) with `stdin` fed to it (`apply -f -`).
+    pub fn kubectl_stdin(&self, args: &[&str], stdin: &str) -> io::Result<Output> {
+        use std::io::Write;
+        let mut child = Command::new(bin_dir().join("kubectl"))
+            .arg("--kubeconfig")
+            .arg(&self.kubeconfig)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()?;
+        child
+            .stdin
+            .take()
+            .ok_or_else(|| io::Error::other("kubectl stdin"))?
+            .write_all(stdin.as_bytes())?;
+        child.wait_with_output()
+    }
+}
+
+impl Drop for KubeCluster {
+    /// The API server stops before etcd: stopping both at once can hang the API server.
+    fn drop(&mut self) {
+        for child in [self.controller_manager.take(), self.apiserver.take()]
+            .into_iter()
+            .flatten()
+        {
+            let mut child = child;
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = self.etcd.kill();
+        let _ = self.etcd.wait();
+    }
+}
