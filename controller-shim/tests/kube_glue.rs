@@ -19,11 +19,21 @@ use kube::Client;
 use testkit::kube_cluster::KubeCluster;
 
 async fn client(cluster: &KubeCluster) -> Client {
+    client_as(cluster, None).await
+}
+
+/// A client of the cluster's admin, or of the user it impersonates.
+async fn client_as(cluster: &KubeCluster, user: Option<&str>) -> Client {
     let _ = tracing_subscriber::fmt()
         .with_test_writer()
         .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
         .try_init();
-    let kubeconfig = kube::config::Kubeconfig::read_from(&cluster.kubeconfig).unwrap();
+    let mut kubeconfig = kube::config::Kubeconfig::read_from(&cluster.kubeconfig).unwrap();
+    if let Some(user) = user {
+        let auth = kubeconfig.auth_infos[0].auth_info.as_mut().unwrap();
+        auth.impersonate = Some(user.to_owned());
+        auth.impersonate_groups = Some(vec!["system:serviceaccounts".into()]);
+    }
     let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
         .await
         .unwrap();
@@ -481,4 +491,87 @@ async fn controller_publish_to_a_node_without_our_driver_is_not_found() {
         assert!(err.message().contains("CSINode"), "{}", err.message());
     }
     server.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "kube: needs the test API server (tests/kube/run)"]
+async fn every_manifest_applies_and_the_controller_needs_no_more_than_its_roles() {
+    let cluster = KubeCluster::start().unwrap();
+    let deploy = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy");
+    for file in ["namespace.yaml", "crds.yaml"] {
+        apply(
+            &cluster,
+            &std::fs::read_to_string(format!("{deploy}/{file}")).unwrap(),
+        );
+    }
+    install_crds(&cluster);
+    let mut checked = 0;
+    for entry in std::fs::read_dir(deploy).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_none_or(|e| e != "yaml") {
+            continue;
+        }
+        let out = cluster
+            .kubectl(&["apply", "--dry-run=server", "-f", path.to_str().unwrap()])
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}: {}",
+            path.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        checked += 1;
+    }
+    assert!(checked >= 5, "only {checked} manifests found in deploy/");
+
+    // The glue, running as the controller's service account with only deploy/rbac.yaml's
+    // grants, does its whole job.
+    apply(
+        &cluster,
+        &std::fs::read_to_string(format!("{deploy}/controller.yaml")).unwrap(),
+    );
+    apply(
+        &cluster,
+        &std::fs::read_to_string(format!("{deploy}/rbac.yaml")).unwrap(),
+    );
+    apply(&cluster, SNAPSHOT_CLASS_CRD);
+    let account = client_as(
+        &cluster,
+        Some("system:serviceaccount:d8-csi-mind-ustor:csi-controller"),
+    )
+    .await;
+    let forbidden: Api<k8s_openapi::api::core::v1::Secret> =
+        Api::namespaced(account.clone(), "default");
+    assert!(
+        forbidden.list(&Default::default()).await.is_err(),
+        "the service account must not read Secrets outside its namespace"
+    );
+    let glue = Glue::start(
+        account,
+        Settings {
+            snapshot_api_poll: Duration::from_secs(1),
+        },
+    );
+    register_node(&cluster, "node-a");
+    apply(&cluster, &connection_yaml("main"));
+    let admin = client(&cluster).await;
+    let classes: Api<MindUstorStorageClass> = Api::all(admin.clone());
+    create_class(&classes, "granted", "main").await;
+    wait_phase(&classes, "granted", Phase::Created).await;
+    eventually("node-a known", Duration::from_secs(30), || async {
+        use controller_shim::service::Nodes;
+        (glue.nodes.has_node("node-a") == Some(true)).then_some(())
+    })
+    .await;
+    eventually(
+        "VolumeSnapshotClass created",
+        Duration::from_secs(30),
+        || async {
+            let out = cluster
+                .kubectl(&["get", "volumesnapshotclass", "csi-mind-ustor"])
+                .ok()?;
+            out.status.success().then_some(())
+        },
+    )
+    .await;
 }
