@@ -84,6 +84,9 @@ struct ServeArgs {
     /// in-cluster service account or $KUBECONFIG.
     #[arg(long)]
     kubernetes: bool,
+    /// The driver's namespace, where the connections' Secrets are.
+    #[arg(long, env = "POD_NAMESPACE", default_value = controller_shim::kube::DEFAULT_NAMESPACE)]
+    namespace: String,
 }
 
 fn main() -> Result<()> {
@@ -118,6 +121,7 @@ fn serve(args: ServeArgs) -> Result<()> {
         metrics_address,
         ustor_pool,
         kubernetes,
+        namespace,
     } = args;
     valid_cluster_id(&cluster_id).map_err(anyhow::Error::msg)?;
     let socket = PathBuf::from(
@@ -168,7 +172,7 @@ fn serve(args: ServeArgs) -> Result<()> {
                     let api = Arc::new(UstorApi::new(
                         &url,
                         ca.as_deref(),
-                        CredentialsDir::new(&ustor_credentials),
+                        Arc::new(CredentialsDir::new(&ustor_credentials)),
                         Timing::default(),
                         Arc::new(Instant::now),
                     )?);
@@ -198,7 +202,14 @@ fn serve(args: ServeArgs) -> Result<()> {
                 let client = kube::Client::try_default()
                     .await
                     .map_err(|e| anyhow::anyhow!("--kubernetes: no Kubernetes client: {e}"))?;
-                Some(Glue::start(client, Settings::default()))
+                Some(Glue::start(
+                    client,
+                    Settings {
+                        namespace,
+                        allow_insecure_http: ustor_allow_insecure_http,
+                        ..Settings::default()
+                    },
+                ))
             } else {
                 None
             };

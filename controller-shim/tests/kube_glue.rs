@@ -8,6 +8,8 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use controller_shim::backend::ustor::login::Timing;
+use controller_shim::kube::crd::MindUstorStorageConnection;
 use controller_shim::kube::crd::{
     FsType, MindUstorStorageClass, MindUstorStorageClassSpec, Phase, ReclaimPolicy,
     VolumeBindingMode,
@@ -39,6 +41,23 @@ async fn client_as(cluster: &KubeCluster, user: Option<&str>) -> Client {
         .unwrap();
     Client::try_from(config).unwrap()
 }
+
+/// Short pauses so the login rules can be watched at work; plain http for the in-repo uStor.
+fn test_settings() -> Settings {
+    Settings {
+        snapshot_api_poll: Duration::from_secs(1),
+        allow_insecure_http: true,
+        login_timing: Timing {
+            after_refusal: REFUSAL_PAUSE,
+            after_unreachable: Duration::from_secs(1),
+            keepalive: Duration::from_secs(3600),
+        },
+        ..Settings::default()
+    }
+}
+
+/// The 5-minute pause after a refused login, shortened.
+const REFUSAL_PAUSE: Duration = Duration::from_secs(6);
 
 /// `kubectl apply -f -` of `yaml`; panics with kubectl's words when it fails.
 fn apply(cluster: &KubeCluster, yaml: &str) {
@@ -171,12 +190,7 @@ async fn a_storage_class_follows_its_resource_and_keeps_what_admins_set() {
     cluster.start_controller_manager().unwrap();
     install_crds(&cluster);
     let client = client(&cluster).await;
-    let _glue = Glue::start(
-        client.clone(),
-        Settings {
-            snapshot_api_poll: Duration::from_secs(1),
-        },
-    );
+    let _glue = Glue::start(client.clone(), test_settings());
     let classes: Api<MindUstorStorageClass> = Api::all(client.clone());
     let storage_classes: Api<StorageClass> = Api::all(client.clone());
 
@@ -321,12 +335,7 @@ async fn the_snapshot_class_exists_only_while_the_snapshot_api_is_served() {
     let cluster = KubeCluster::start().unwrap();
     install_crds(&cluster);
     let client = client(&cluster).await;
-    let _glue = Glue::start(
-        client.clone(),
-        Settings {
-            snapshot_api_poll: Duration::from_secs(1),
-        },
-    );
+    let _glue = Glue::start(client.clone(), test_settings());
     // Without the API nothing fails, and the glue keeps serving the rest.
     tokio::time::sleep(Duration::from_secs(3)).await;
     apply(&cluster, &connection_yaml("main"));
@@ -359,7 +368,7 @@ async fn reconcilers_come_back_after_the_api_server_does() {
     let mut cluster = KubeCluster::start().unwrap();
     install_crds(&cluster);
     let client = client(&cluster).await;
-    let glue = Glue::start(client.clone(), Settings::default());
+    let glue = Glue::start(client.clone(), test_settings());
     apply(&cluster, &connection_yaml("main"));
     let classes: Api<MindUstorStorageClass> = Api::all(client.clone());
     create_class(&classes, "before", "main").await;
@@ -416,7 +425,7 @@ async fn controller_publish_to_a_node_without_our_driver_is_not_found() {
 
     let cluster = KubeCluster::start().unwrap();
     let client = client(&cluster).await;
-    let glue = Glue::start(client, Settings::default());
+    let glue = Glue::start(client, test_settings());
     register_node(&cluster, "node-a");
     // Another driver's node: not ours to attach to.
     apply(
@@ -546,12 +555,7 @@ async fn every_manifest_applies_and_the_controller_needs_no_more_than_its_roles(
         forbidden.list(&Default::default()).await.is_err(),
         "the service account must not read Secrets outside its namespace"
     );
-    let glue = Glue::start(
-        account,
-        Settings {
-            snapshot_api_poll: Duration::from_secs(1),
-        },
-    );
+    let glue = Glue::start(account, test_settings());
     register_node(&cluster, "node-a");
     apply(&cluster, &connection_yaml("main"));
     let admin = client(&cluster).await;
@@ -561,6 +565,12 @@ async fn every_manifest_applies_and_the_controller_needs_no_more_than_its_roles(
     eventually("node-a known", Duration::from_secs(30), || async {
         use controller_shim::service::Nodes;
         (glue.nodes.has_node("node-a") == Some(true)).then_some(())
+    })
+    .await;
+    // It reads the connection's Secrets in its namespace and writes the connection's status.
+    let connections: Api<MindUstorStorageConnection> = Api::all(admin.clone());
+    wait_connection(&connections, "main", "the missing Secret named", |s| {
+        reason_has(s, "Secret d8-csi-mind-ustor/creds")
     })
     .await;
     eventually(
@@ -573,5 +583,237 @@ async fn every_manifest_applies_and_the_controller_needs_no_more_than_its_roles(
             out.status.success().then_some(())
         },
     )
+    .await;
+}
+
+/// A Secret in the driver's namespace, applied as `kubectl create secret … | apply` would.
+fn put_secret(cluster: &KubeCluster, name: &str, pairs: &[(&str, &str)]) {
+    let data: String = pairs
+        .iter()
+        .map(|(k, v)| format!("  {k}: {v:?}\n"))
+        .collect();
+    apply(
+        cluster,
+        &format!(
+            "apiVersion: v1\nkind: Secret\nmetadata:\n  name: {name}\n  namespace: d8-csi-mind-ustor\n\
+             stringData:\n{data}"
+        ),
+    );
+}
+
+const TLS: [(&str, &str); 5] = [
+    ("ca.crt", "ca"),
+    ("client.crt", "crt"),
+    ("client.key", "key"),
+    ("etcd-client.crt", "ecrt"),
+    ("etcd-client.key", "ekey"),
+];
+
+/// The connection once `accept` says its status is the awaited one.
+async fn wait_connection(
+    api: &Api<MindUstorStorageConnection>,
+    name: &str,
+    what: &str,
+    accept: impl Fn(&controller_shim::kube::crd::ConnectionStatus) -> bool,
+) -> controller_shim::kube::crd::ConnectionStatus {
+    eventually(
+        &format!("{name}: {what}"),
+        Duration::from_secs(30),
+        || async {
+            let status = api.get(name).await.ok()?.status?;
+            accept(&status).then_some(status)
+        },
+    )
+    .await
+}
+
+fn authenticated(status: &controller_shim::kube::crd::ConnectionStatus) -> (String, String) {
+    let c = status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Authenticated")
+        .expect("an Authenticated condition");
+    (c.status.clone(), c.reason.clone())
+}
+
+fn reason_has(status: &controller_shim::kube::crd::ConnectionStatus, text: &str) -> bool {
+    status.reason.as_deref().is_some_and(|r| r.contains(text))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "kube: needs the test API server (tests/kube/run)"]
+async fn a_connection_names_what_is_wrong_and_logs_in_by_the_products_rules() {
+    let cluster = KubeCluster::start().unwrap();
+    install_crds(&cluster);
+    apply(&cluster, include_str!("../../deploy/namespace.yaml"));
+    let ustor = testkit::fake_ustor::FakeUstor::start().await.unwrap();
+    ustor.set_user("csi", "S3cret@1", None);
+    let client = client(&cluster).await;
+    let _glue = Glue::start(client.clone(), test_settings());
+    let api: Api<MindUstorStorageConnection> = Api::all(client.clone());
+    apply(
+        &cluster,
+        &connection_yaml("main").replace("https://ustor.example:23004", &ustor.url()),
+    );
+
+    // Each missing piece is named, one at a time, and nothing logs in meanwhile.
+    wait_connection(&api, "main", "no credentials Secret", |s| {
+        reason_has(s, "Secret d8-csi-mind-ustor/creds (spec.controlPlane.credentialsSecretName) does not exist")
+    })
+    .await;
+    put_secret(&cluster, "creds", &[("username", "csi")]);
+    wait_connection(&api, "main", "no password", |s| {
+        reason_has(s, "has no key password")
+    })
+    .await;
+    put_secret(
+        &cluster,
+        "creds",
+        &[("username", "csi"), ("password", "S3cret@1")],
+    );
+    wait_connection(&api, "main", "no TLS Secret", |s| {
+        reason_has(
+            s,
+            "Secret d8-csi-mind-ustor/tls (spec.dataPlane.tlsSecretName) does not exist",
+        )
+    })
+    .await;
+    put_secret(&cluster, "tls", &TLS[..4]);
+    wait_connection(&api, "main", "no etcd key", |s| {
+        reason_has(s, "has no key etcd-client.key")
+    })
+    .await;
+    assert_eq!(
+        ustor.logins(),
+        0,
+        "no login before the connection is complete"
+    );
+
+    // Complete: logged in, Created, and the wide listing shows phase and reason.
+    put_secret(&cluster, "tls", &TLS);
+    let created =
+        wait_connection(&api, "main", "Created", |s| s.phase == Some(Phase::Created)).await;
+    assert_eq!(authenticated(&created), ("True".into(), "LoggedIn".into()));
+    assert_eq!(ustor.logins(), 1);
+    let version = api.get("main").await.unwrap().metadata.resource_version;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        api.get("main").await.unwrap().metadata.resource_version,
+        version,
+        "status written again although nothing changed"
+    );
+    let wide = cluster
+        .kubectl(&["get", "mindustorstorageconnections", "-o", "wide"])
+        .unwrap();
+    let wide = String::from_utf8_lossy(&wide.stdout);
+    assert!(
+        wide.contains("PHASE") && wide.contains("REASON") && wide.contains("Created"),
+        "{wide}"
+    );
+
+    // Every refusal uStor can give shows as the Authenticated reason, within seconds of the
+    // Secret changing.
+    for (i, code) in [
+        "UserLocked",
+        "PasswordExpired",
+        "TemporaryPassword",
+        "UserNotFound",
+    ]
+    .iter()
+    .enumerate()
+    {
+        let password = format!("S3cret@{}", i + 2);
+        ustor.set_user("csi", &password, Some(code));
+        put_secret(
+            &cluster,
+            "creds",
+            &[("username", "csi"), ("password", &password)],
+        );
+        let refused = wait_connection(&api, "main", code, |s| authenticated(s).1 == *code).await;
+        assert_eq!(refused.phase, Some(Phase::Failed));
+        assert!(reason_has(&refused, code), "{:?}", refused.reason);
+    }
+
+    // A wrong password: LoginRejected, and no second try with it during the pause, whatever
+    // triggers a look at the connection.
+    ustor.set_user("csi", "S3cret@9", None);
+    put_secret(
+        &cluster,
+        "creds",
+        &[("username", "csi"), ("password", "wrong")],
+    );
+    wait_connection(&api, "main", "LoginRejected", |s| {
+        authenticated(s).1 == "LoginRejected"
+    })
+    .await;
+    let refused_at = Instant::now();
+    let logins = ustor.logins();
+    for n in 0..3 {
+        let out = cluster
+            .kubectl(&[
+                "annotate",
+                "--overwrite",
+                "mindustorstorageconnection/main",
+                &format!("poke={n}"),
+            ])
+            .unwrap();
+        assert!(out.status.success());
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert!(refused_at.elapsed() < REFUSAL_PAUSE);
+    assert_eq!(
+        ustor.logins(),
+        logins,
+        "the refused credentials were tried again within the pause"
+    );
+
+    // The right password: logged in again within seconds.
+    put_secret(
+        &cluster,
+        "creds",
+        &[("username", "csi"), ("password", "S3cret@9")],
+    );
+    wait_connection(&api, "main", "logged in again", |s| {
+        s.phase == Some(Phase::Created)
+    })
+    .await;
+
+    // controlPlane.address never changes.
+    let patch = |address: &str| {
+        Patch::Merge(serde_json::json!({ "spec": { "controlPlane": { "address": address } } }))
+    };
+    api.patch(
+        "main",
+        &PatchParams::default(),
+        &patch("https://elsewhere.example:23004"),
+    )
+    .await
+    .unwrap();
+    let moved = wait_connection(&api, "main", "address refused", |s| {
+        reason_has(s, "cannot be changed")
+    })
+    .await;
+    assert_eq!(moved.phase, Some(Phase::Failed));
+    api.patch("main", &PatchParams::default(), &patch(&ustor.url()))
+        .await
+        .unwrap();
+    wait_connection(&api, "main", "back to Created", |s| {
+        s.phase == Some(Phase::Created)
+    })
+    .await;
+
+    // An unreachable management API is told apart from a refusal.
+    apply(
+        &cluster,
+        &connection_yaml("down").replace("https://ustor.example:23004", "http://127.0.0.1:1"),
+    );
+    put_secret(
+        &cluster,
+        "creds",
+        &[("username", "csi"), ("password", "S3cret@9")],
+    );
+    wait_connection(&api, "down", "Unreachable", |s| {
+        s.conditions.iter().any(|c| c.reason == "Unreachable")
+    })
     .await;
 }

@@ -41,7 +41,7 @@ fn client(server_url: &str, dir: &Path, clock: &TestClock) -> UstorApi {
     UstorApi::new(
         server_url,
         None,
-        CredentialsDir::new(dir),
+        Arc::new(CredentialsDir::new(dir)),
         Timing::default(),
         Arc::new(move || *c.0.lock().unwrap()),
     )

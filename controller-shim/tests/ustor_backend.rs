@@ -34,7 +34,7 @@ async fn controller(
     let api = UstorApi::new(
         &server.url(),
         None,
-        CredentialsDir::new(&creds),
+        Arc::new(CredentialsDir::new(&creds)),
         Timing::default(),
         Arc::new(Instant::now),
     )

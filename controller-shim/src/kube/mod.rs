@@ -3,6 +3,7 @@
 //! list ControllerPublishVolume checks ([`nodes`]). Every loop survives the API server going
 //! away and coming back: watches re-list with back-off, reconcilers retry.
 
+pub mod connection;
 pub mod crd;
 pub mod nodes;
 pub mod snapshot_class;
@@ -18,6 +19,7 @@ use kube::runtime::watcher;
 use kube::{Api, Client, ResourceExt};
 
 use crd::{MindUstorStorageClass, MindUstorStorageConnection};
+use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::api::storage::v1::StorageClass;
 
 /// The VolumeSnapshotClass every StorageClass of ours names (the guide's name).
@@ -34,6 +36,9 @@ pub enum GlueError {
 /// What the reconcilers share.
 pub struct Context {
     pub client: Client,
+    pub settings: Settings,
+    /// The management API sessions of the connections.
+    pub sessions: connection::Sessions,
 }
 
 impl std::fmt::Debug for Context {
@@ -44,14 +49,26 @@ impl std::fmt::Debug for Context {
 
 #[derive(Debug, Clone)]
 pub struct Settings {
+    /// The driver's namespace: the connections' Secrets are there.
+    pub namespace: String,
     /// How often to look whether the snapshot API has appeared.
     pub snapshot_api_poll: Duration,
+    /// Accept http:// management APIs (test setups only: the password crosses in clear).
+    pub allow_insecure_http: bool,
+    /// The login rules' pauses (the product's defaults; shorter in tests).
+    pub login_timing: crate::backend::ustor::login::Timing,
 }
+
+/// The namespace of the guide.
+pub const DEFAULT_NAMESPACE: &str = "d8-csi-mind-ustor";
 
 impl Default for Settings {
     fn default() -> Self {
         Self {
+            namespace: DEFAULT_NAMESPACE.to_owned(),
             snapshot_api_poll: Duration::from_secs(30),
+            allow_insecure_http: false,
+            login_timing: Default::default(),
         }
     }
 }
@@ -73,17 +90,46 @@ impl Drop for Glue {
 
 impl Glue {
     pub fn start(client: Client, settings: Settings) -> Self {
+        let poll = settings.snapshot_api_poll;
         let ctx = Arc::new(Context {
             client: client.clone(),
+            settings,
+            sessions: Default::default(),
         });
         let (nodes, node_watch) = nodes::CsiNodes::start(client.clone());
+        let connections = tokio::spawn(run_connections(client.clone(), Arc::clone(&ctx)));
         let classes = tokio::spawn(run_storage_classes(client, Arc::clone(&ctx)));
-        let snapshots = tokio::spawn(snapshot_class::run(ctx, settings.snapshot_api_poll));
+        let snapshots = tokio::spawn(snapshot_class::run(ctx, poll));
         Self {
             nodes,
-            tasks: vec![node_watch, classes, snapshots],
+            tasks: vec![node_watch, connections, classes, snapshots],
         }
     }
+}
+
+async fn run_connections(client: Client, ctx: Arc<Context>) {
+    let connections: Api<MindUstorStorageConnection> = Api::all(client.clone());
+    let secrets: Api<Secret> = Api::namespaced(client, &ctx.settings.namespace);
+    let controller =
+        Controller::new(connections, watcher::Config::default()).trigger_backoff(watch_backoff());
+    // A Secret changed: its connections log in again within seconds.
+    let known = controller.store();
+    controller
+        .watches(secrets, watcher::Config::default(), move |secret| {
+            let name = secret.name_any();
+            known
+                .state()
+                .iter()
+                .filter(|c| {
+                    c.spec.control_plane.credentials_secret_name == name
+                        || c.spec.data_plane.tls_secret_name == name
+                })
+                .map(|c| ObjectRef::from_obj(&**c))
+                .collect::<Vec<_>>()
+        })
+        .run(connection::reconcile, retry_later, ctx)
+        .for_each(|result| log_failure(result, "MindUstorStorageConnection"))
+        .await;
 }
 
 async fn run_storage_classes(client: Client, ctx: Arc<Context>) {
@@ -107,11 +153,7 @@ async fn run_storage_classes(client: Client, ctx: Arc<Context>) {
                 .collect::<Vec<_>>()
         })
         .run(storage_class::reconcile, retry_later, ctx)
-        .for_each(|result| async move {
-            if let Err(e) = result {
-                tracing::debug!(error = %e, "MindUstorStorageClass reconcile");
-            }
-        })
+        .for_each(|result| log_failure(result, "MindUstorStorageClass"))
         .await;
 }
 
@@ -126,6 +168,40 @@ pub(crate) fn watch_backoff() -> watcher::ExponentialBackoff {
         .with_jitter()
         .without_max_times()
         .into()
+}
+
+/// A reconcile's failure, at debug level: `retry_later` already warned about it.
+async fn log_failure<T, E: std::fmt::Display>(result: Result<T, E>, kind: &'static str) {
+    if let Err(e) = result {
+        tracing::debug!(error = %e, kind, "reconcile");
+    }
+}
+
+/// Writes `status` into a resource of ours, only when it differs from what it has.
+async fn write_status<K, S>(
+    client: &Client,
+    object: &K,
+    current: Option<&S>,
+    status: &S,
+) -> Result<(), GlueError>
+where
+    K: kube::Resource<DynamicType = (), Scope = kube::core::ClusterResourceScope>
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug,
+    S: serde::Serialize + PartialEq,
+{
+    if current == Some(status) {
+        return Ok(());
+    }
+    let api: Api<K> = Api::all(client.clone());
+    api.patch_status(
+        &object.name_any(),
+        &kube::api::PatchParams::default(),
+        &kube::api::Patch::Merge(serde_json::json!({ "status": status })),
+    )
+    .await?;
+    Ok(())
 }
 
 /// A failed reconcile (API unreachable, conflict) is tried again shortly.

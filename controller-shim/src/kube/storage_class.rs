@@ -167,15 +167,7 @@ pub async fn reconcile(
         }
     };
     let failed = status.phase == Some(Phase::Failed);
-    if class.status.as_ref() != Some(&status) {
-        let api: Api<MindUstorStorageClass> = Api::all(ctx.client.clone());
-        api.patch_status(
-            &class.name_any(),
-            &PatchParams::default(),
-            &Patch::Merge(serde_json::json!({ "status": status })),
-        )
-        .await?;
-    }
+    super::write_status(&ctx.client, &*class, class.status.as_ref(), &status).await?;
     Ok(Action::requeue(if failed { RETRY_FAILED } else { RESYNC }))
 }
 

@@ -9,7 +9,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio::sync::Mutex;
 
-use super::credentials::CredentialsDir;
+use super::credentials::CredentialSource;
 use super::login::{Decision, LoginPolicy, Refusal, Timing};
 use crate::error::ControllerError;
 
@@ -43,7 +43,7 @@ pub type Clock = Arc<dyn Fn() -> Instant + Send + Sync>;
 pub struct UstorApi {
     base: String,
     http: reqwest::Client,
-    credentials: CredentialsDir,
+    credentials: Arc<dyn CredentialSource>,
     session: Mutex<Session>,
     clock: Clock,
 }
@@ -62,7 +62,7 @@ impl UstorApi {
     pub fn new(
         base: &str,
         ca_pem: Option<&[u8]>,
-        credentials: CredentialsDir,
+        credentials: Arc<dyn CredentialSource>,
         timing: Timing,
         clock: Clock,
     ) -> Result<Self, ControllerError> {

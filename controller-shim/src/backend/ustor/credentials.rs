@@ -1,5 +1,6 @@
-//! The uStor user's credentials, read from the files of a mounted Secret (`username`,
-//! `password`), re-read when they change so a new password is used without a restart.
+//! The uStor user's credentials, from the files of a mounted Secret (`username`, `password`)
+//! or from the Secret itself through the Kubernetes API (kept current by the connection's
+//! reconciler); read again at every login, so a new password is used without a restart.
 //! The password never appears in `Debug` output or logs.
 
 use std::fmt;
@@ -51,6 +52,35 @@ impl fmt::Debug for Credentials {
     }
 }
 
+/// Where the login finds the current credentials.
+pub trait CredentialSource: Send + Sync + fmt::Debug {
+    fn read(&self) -> Result<Credentials, ControllerError>;
+}
+
+/// Credentials another task keeps current (the connection reconciler, from the Secret).
+#[derive(Debug, Default)]
+pub struct SharedCredentials(std::sync::Mutex<Option<Credentials>>);
+
+impl SharedCredentials {
+    pub fn set(&self, credentials: Credentials) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(credentials);
+    }
+}
+
+impl CredentialSource for SharedCredentials {
+    fn read(&self) -> Result<Credentials, ControllerError> {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .ok_or_else(|| {
+                ControllerError::FailedPrecondition(
+                    "uStor credentials: the connection's Secret has not been read yet".into(),
+                )
+            })
+    }
+}
+
 /// A directory with `username` and `password` files, as Kubernetes mounts a Secret. Kubelet
 /// updates such a mount in place (through a symlink swap), so every read sees a whole pair.
 #[derive(Debug, Clone)]
@@ -64,8 +94,10 @@ impl CredentialsDir {
             dir: dir.to_owned(),
         }
     }
+}
 
-    pub fn read(&self) -> Result<Credentials, ControllerError> {
+impl CredentialSource for CredentialsDir {
+    fn read(&self) -> Result<Credentials, ControllerError> {
         let read = |name: &str| -> Result<String, ControllerError> {
             let path = self.dir.join(name);
             let value = std::fs::read_to_string(&path).map_err(|e| {

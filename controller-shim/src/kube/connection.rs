@@ -1,0 +1,400 @@
+//! A MindUstorStorageConnection's state, kept in its status as the guide describes: both
+//! Secrets hold every key they need, `controlPlane.address` never changed, and the uStor
+//! management API accepts the user's login. The login follows the product's rules
+//! (`backend/ustor/login.rs`): at start, hourly, within seconds of either Secret changing, and
+//! never again within 5 minutes with credentials uStor refused.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::runtime::controller::Action;
+use kube::{Api, ResourceExt};
+
+use super::crd::{ConnectionStatus, MindUstorStorageConnection, Phase};
+use super::{Context, GlueError};
+use crate::backend::ustor::api::UstorApi;
+use crate::backend::ustor::credentials::{Credentials, SharedCredentials};
+use crate::backend::ustor::login::Refusal;
+
+/// Keys of the credentials Secret.
+pub const CREDENTIAL_KEYS: [&str; 2] = ["username", "password"];
+/// Keys of the TLS Secret.
+pub const TLS_KEYS: [&str; 5] = [
+    "ca.crt",
+    "client.crt",
+    "client.key",
+    "etcd-client.crt",
+    "etcd-client.key",
+];
+
+/// How often a connection is looked at when nothing happens: the hourly login is due at
+/// most this late.
+const CHECK_EVERY: Duration = Duration::from_secs(60);
+
+/// The management API client of one connection, kept across reconciles so the login rules
+/// (the 5-minute pause) hold.
+#[derive(Debug)]
+pub struct Session {
+    pub api: Arc<UstorApi>,
+    credentials: Arc<SharedCredentials>,
+    address: String,
+    ca: Vec<u8>,
+    /// The Secrets' resource versions at the last login attempt: a change means a login now.
+    logged_in_with: Mutex<Option<String>>,
+}
+
+/// Sessions by connection name.
+#[derive(Debug, Default)]
+pub struct Sessions(Mutex<HashMap<String, Arc<Session>>>);
+
+impl Sessions {
+    pub fn get(&self, connection: &str) -> Option<Arc<Session>> {
+        self.lock().get(connection).cloned()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Session>>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// What a Secret lacks, named for the operator; the data when it has every key.
+fn secret_data(
+    secret: Option<&Secret>,
+    namespace: &str,
+    name: &str,
+    field: &str,
+    keys: &[&str],
+) -> Result<BTreeMap<String, Vec<u8>>, String> {
+    let Some(secret) = secret else {
+        return Err(format!(
+            "Secret {namespace}/{name} ({field}) does not exist"
+        ));
+    };
+    let data: BTreeMap<String, Vec<u8>> = secret
+        .data
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(k, v)| (k, v.0))
+        .collect();
+    for key in keys {
+        match data.get(*key) {
+            None => {
+                return Err(format!(
+                    "Secret {namespace}/{name} ({field}) has no key {key}"
+                ))
+            }
+            Some(v) if v.iter().all(u8::is_ascii_whitespace) => {
+                return Err(format!(
+                    "key {key} of Secret {namespace}/{name} ({field}) is empty"
+                ))
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(data)
+}
+
+fn text(data: &BTreeMap<String, Vec<u8>>, key: &str) -> String {
+    String::from_utf8_lossy(&data[key])
+        .trim_end_matches(['\n', '\r'])
+        .to_owned()
+}
+
+/// The outcome of one look at a connection.
+#[derive(Debug, Clone, PartialEq)]
+enum Verdict {
+    /// Secrets or spec are wrong: no login attempted.
+    Misconfigured(String),
+    LoggedIn,
+    Refused {
+        reason: Refusal,
+        message: String,
+    },
+}
+
+pub async fn reconcile(
+    connection: Arc<MindUstorStorageConnection>,
+    ctx: Arc<Context>,
+) -> Result<Action, GlueError> {
+    if connection.metadata.deletion_timestamp.is_some() {
+        ctx.sessions.lock().remove(&connection.name_any());
+        return Ok(Action::await_change());
+    }
+    let verdict = check(&connection, &ctx).await?;
+    let status = status_for(&connection, &verdict);
+    super::write_status(
+        &ctx.client,
+        &*connection,
+        connection.status.as_ref(),
+        &status,
+    )
+    .await?;
+    Ok(Action::requeue(CHECK_EVERY))
+}
+
+async fn check(
+    connection: &MindUstorStorageConnection,
+    ctx: &Context,
+) -> Result<Verdict, GlueError> {
+    let name = connection.name_any();
+    let spec = &connection.spec;
+    if let Some(first) = connection
+        .status
+        .as_ref()
+        .and_then(|s| s.control_plane_address.as_ref())
+    {
+        if *first != spec.control_plane.address {
+            return Ok(Verdict::Misconfigured(format!(
+                "controlPlane.address cannot be changed: the volumes of this connection are on {first}; \
+                 set it back, or create another connection for another uStor cluster"
+            )));
+        }
+    }
+    if let Err(reason) = check_address(
+        &spec.control_plane.address,
+        ctx.settings.allow_insecure_http,
+    ) {
+        return Ok(Verdict::Misconfigured(reason));
+    }
+    let ns = &ctx.settings.namespace;
+    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), ns);
+    let credentials_secret = secrets
+        .get_opt(&spec.control_plane.credentials_secret_name)
+        .await?;
+    let tls_secret = secrets.get_opt(&spec.data_plane.tls_secret_name).await?;
+    let credentials = match secret_data(
+        credentials_secret.as_ref(),
+        ns,
+        &spec.control_plane.credentials_secret_name,
+        "spec.controlPlane.credentialsSecretName",
+        &CREDENTIAL_KEYS,
+    ) {
+        Ok(data) => data,
+        Err(reason) => return Ok(Verdict::Misconfigured(reason)),
+    };
+    let tls = match secret_data(
+        tls_secret.as_ref(),
+        ns,
+        &spec.data_plane.tls_secret_name,
+        "spec.dataPlane.tlsSecretName",
+        &TLS_KEYS,
+    ) {
+        Ok(data) => data,
+        Err(reason) => return Ok(Verdict::Misconfigured(reason)),
+    };
+    let versions = format!(
+        "{}/{}",
+        credentials_secret
+            .and_then(|s| s.metadata.resource_version)
+            .unwrap_or_default(),
+        tls_secret
+            .and_then(|s| s.metadata.resource_version)
+            .unwrap_or_default()
+    );
+    let session = match session_for(ctx, &name, &spec.control_plane.address, &tls["ca.crt"]) {
+        Ok(session) => session,
+        Err(reason) => return Ok(Verdict::Misconfigured(reason)),
+    };
+    session.credentials.set(Credentials::new(
+        text(&credentials, "username"),
+        text(&credentials, "password"),
+    ));
+    let changed = {
+        let mut last = session
+            .logged_in_with
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let changed = last.as_deref() != Some(versions.as_str());
+        *last = Some(versions);
+        changed
+    };
+    // A Secret changed: log in now (the rules still refuse a second try with credentials
+    // uStor just refused). Otherwise only when the hourly check or a retry is due.
+    let outcome = if changed {
+        session.api.login().await
+    } else {
+        session.api.keepalive().await
+    };
+    Ok(match (outcome, session.api.refusal().await) {
+        (Ok(()), None) => Verdict::LoggedIn,
+        (Ok(()), Some(reason)) | (Err(_), Some(reason)) => Verdict::Refused {
+            reason,
+            message: format!("uStor refused the login: {reason}: {}", reason.advice()),
+        },
+        (Err(e), None) => Verdict::Refused {
+            reason: Refusal::LoginRejected,
+            message: e.to_string(),
+        },
+    })
+}
+
+/// The management API carries the password: https only, unless explicitly allowed.
+fn check_address(address: &str, allow_http: bool) -> Result<(), String> {
+    let lower = address.to_ascii_lowercase();
+    if lower.starts_with("https://") || (allow_http && lower.starts_with("http://")) {
+        return Ok(());
+    }
+    Err(format!(
+        "controlPlane.address {address:?} must be an https:// URL (the uStor password crosses the network)"
+    ))
+}
+
+/// The connection's session, made anew when its address or CA changed.
+fn session_for(
+    ctx: &Context,
+    name: &str,
+    address: &str,
+    ca: &[u8],
+) -> Result<Arc<Session>, String> {
+    let mut sessions = ctx.sessions.lock();
+    if let Some(s) = sessions.get(name) {
+        if s.address == address && s.ca == ca {
+            return Ok(Arc::clone(s));
+        }
+    }
+    let credentials = Arc::new(SharedCredentials::default());
+    let ca_pem = address
+        .to_ascii_lowercase()
+        .starts_with("https://")
+        .then_some(ca);
+    let api = UstorApi::new(
+        address,
+        ca_pem,
+        Arc::clone(&credentials) as _,
+        ctx.settings.login_timing,
+        Arc::new(Instant::now),
+    )
+    .map_err(|e| format!("ca.crt of the TLS Secret: {e}"))?;
+    let session = Arc::new(Session {
+        api: Arc::new(api),
+        credentials,
+        address: address.to_owned(),
+        ca: ca.to_owned(),
+        logged_in_with: Mutex::new(None),
+    });
+    sessions.insert(name.to_owned(), Arc::clone(&session));
+    Ok(session)
+}
+
+/// The status the verdict gives; transition times are kept while a condition holds, so an
+/// unchanged connection writes nothing.
+fn status_for(connection: &MindUstorStorageConnection, verdict: &Verdict) -> ConnectionStatus {
+    let old = connection.status.clone().unwrap_or_default();
+    let generation = connection.metadata.generation;
+    let condition = |kind: &str, ok: bool, reason: &str, message: &str| {
+        let status = if ok { "True" } else { "False" };
+        let since = old
+            .conditions
+            .iter()
+            .find(|c| c.type_ == kind && c.status == status && c.reason == reason)
+            .map(|c| c.last_transition_time.clone())
+            .unwrap_or_else(|| Time(k8s_openapi::jiff::Timestamp::now()));
+        Condition {
+            type_: kind.to_owned(),
+            status: status.to_owned(),
+            reason: reason.to_owned(),
+            message: message.to_owned(),
+            last_transition_time: since,
+            observed_generation: generation,
+        }
+    };
+    let (phase, reason, conditions) = match verdict {
+        Verdict::Misconfigured(why) => (
+            Phase::Failed,
+            Some(why.clone()),
+            vec![
+                condition("Ready", false, "Misconfigured", why),
+                // Not tried: keep whatever the last login said.
+                old.conditions
+                    .iter()
+                    .find(|c| c.type_ == "Authenticated")
+                    .cloned()
+                    .unwrap_or_else(|| {
+                        condition(
+                            "Authenticated",
+                            false,
+                            "NotTried",
+                            "no login until the connection is configured",
+                        )
+                    }),
+            ],
+        ),
+        Verdict::LoggedIn => (
+            Phase::Created,
+            None,
+            vec![
+                condition("Ready", true, "Ready", "secrets complete, login accepted"),
+                condition(
+                    "Authenticated",
+                    true,
+                    "LoggedIn",
+                    "uStor accepted the login",
+                ),
+            ],
+        ),
+        Verdict::Refused { reason, message } => (
+            Phase::Failed,
+            Some(message.clone()),
+            vec![
+                condition("Ready", false, "LoginRefused", message),
+                condition("Authenticated", false, reason.as_str(), message),
+            ],
+        ),
+    };
+    // The first address served is the reference of the immutability check.
+    let control_plane_address = old.control_plane_address.clone().or_else(|| match verdict {
+        Verdict::Misconfigured(_) => None,
+        _ => Some(connection.spec.control_plane.address.clone()),
+    });
+    ConnectionStatus {
+        phase: Some(phase),
+        reason,
+        conditions,
+        control_plane_address,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::ByteString;
+
+    fn secret(pairs: &[(&str, &str)]) -> Secret {
+        Secret {
+            data: Some(
+                pairs
+                    .iter()
+                    .map(|(k, v)| ((*k).to_owned(), ByteString(v.as_bytes().to_vec())))
+                    .collect(),
+            ),
+            ..Secret::default()
+        }
+    }
+
+    #[test]
+    fn the_missing_secret_or_key_is_named() {
+        let field = "spec.controlPlane.credentialsSecretName";
+        let err = secret_data(None, "ns", "creds", field, &CREDENTIAL_KEYS).unwrap_err();
+        assert_eq!(err, format!("Secret ns/creds ({field}) does not exist"));
+        let only_user = secret(&[("username", "csi")]);
+        let err =
+            secret_data(Some(&only_user), "ns", "creds", field, &CREDENTIAL_KEYS).unwrap_err();
+        assert!(err.ends_with("has no key password"), "{err}");
+        let blank = secret(&[("username", "csi"), ("password", "\n")]);
+        let err = secret_data(Some(&blank), "ns", "creds", field, &CREDENTIAL_KEYS).unwrap_err();
+        assert!(err.starts_with("key password"), "{err}");
+        let whole = secret(&[("username", "csi"), ("password", "S3cret@1")]);
+        assert!(secret_data(Some(&whole), "ns", "creds", field, &CREDENTIAL_KEYS).is_ok());
+    }
+
+    #[test]
+    fn plain_http_needs_the_explicit_setting() {
+        assert!(check_address("https://ustor:23004", false).is_ok());
+        assert!(check_address("http://ustor:23004", false).is_err());
+        assert!(check_address("http://ustor:23004", true).is_ok());
+    }
+}
