@@ -68,9 +68,9 @@ impl Handle {
                 "{field} {raw:?} belongs to backend {b:?}; this controller serves {backend:?}"
             )));
         }
-        // A backend with pools keys images as `<pool>/<image>`.
+        // A backend with pools keys images as `[<connection>/]<pool>/<image>`.
         let mut segments = image.split('/');
-        let valid = segments.clone().count() <= 2 && segments.all(|s| valid_image(s).is_ok());
+        let valid = segments.clone().count() <= 3 && segments.all(|s| valid_image(s).is_ok());
         if !valid || raw.len() > MAX_ID {
             return Err(ControllerError::UnknownId(format!(
                 "{field} {raw:?}: image name {image:?} is not one this driver issued"
@@ -88,10 +88,24 @@ impl fmt::Display for Handle {
 
 /// The CSI spec's limit on ids (and most strings): 128 bytes.
 pub const MAX_ID: usize = 128;
-/// Longest pool name: with the longest prefix (`ustor:snapshot:`), a pool, `/` and an image
-/// of [`MAX_IMAGE`] bytes, an id stays within [`MAX_ID`].
+/// Longest pool name and longest connection name: with the longest prefix
+/// (`ustor:snapshot:`), a connection, `/`, a pool, `/` and an image of [`MAX_IMAGE`] bytes,
+/// an id stays within [`MAX_ID`].
 pub const MAX_POOL: usize = 32;
-pub const MAX_IMAGE: usize = MAX_ID - "ustor:snapshot:".len() - MAX_POOL - 1;
+pub const MAX_CONNECTION: usize = 16;
+pub const MAX_IMAGE: usize = MAX_ID - "ustor:snapshot:".len() - MAX_CONNECTION - 1 - MAX_POOL - 1;
+
+/// Checks the name of the MindUstorStorageConnection a volume id will carry.
+pub fn valid_connection(name: &str) -> Result<(), ControllerError> {
+    if name.len() <= MAX_CONNECTION && valid_image(name).is_ok() {
+        Ok(())
+    } else {
+        Err(ControllerError::invalid(format!(
+            "connection name {name:?} must be 1-{MAX_CONNECTION} characters of a-z, 0-9, - and . \
+             (volume ids carry it and must stay within 128 bytes)"
+        )))
+    }
+}
 
 /// Checks a pool name from a StorageClass: what an image name may be, and short enough that
 /// ids stay within the spec's 128 bytes.
@@ -201,7 +215,7 @@ mod tests {
             ("local:snapshot:k8s-s", "names a snapshot"),
             ("ustor:volume:k8s-pvc-1", "belongs to backend"),
             ("local:volume:../etc", "not one this driver issued"),
-            ("local:volume:a/b/c", "not one this driver issued"),
+            ("local:volume:a/b/c/d", "not one this driver issued"),
             ("local:volume:UPPER", "not one this driver issued"),
         ] {
             let err = Handle::parse(bad, "local", Kind::Volume).unwrap_err();
@@ -231,8 +245,14 @@ mod tests {
         );
         assert_ne!(ia, ib);
         let pool = "p".repeat(MAX_POOL);
+        let connection = "c".repeat(MAX_CONNECTION);
         for image in [ia, ib] {
-            let id = Handle::new("ustor", Kind::Snapshot, format!("{pool}/{image}")).to_string();
+            let id = Handle::new(
+                "ustor",
+                Kind::Snapshot,
+                format!("{connection}/{pool}/{image}"),
+            )
+            .to_string();
             assert!(id.len() <= MAX_ID, "{id} is {} bytes", id.len());
             assert!(Handle::parse(&id, "ustor", Kind::Snapshot).is_ok());
         }

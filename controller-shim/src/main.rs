@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use controller_shim::backend::connections::ConnectionsBackend;
 use controller_shim::backend::local::LocalBackend;
 use controller_shim::backend::ustor::api::UstorApi;
 use controller_shim::backend::ustor::backend::UstorBackend;
@@ -61,7 +62,8 @@ struct ServeArgs {
     /// local: do not start nbdkit (something else serves the directory).
     #[arg(long)]
     no_export_server: bool,
-    /// ustor: the management API (controlPlane.address).
+    /// ustor: the management API of the one uStor cluster to serve; without it (and with
+    /// --kubernetes) the controller serves every MindUstorStorageConnection.
     #[arg(long)]
     ustor_url: Option<String>,
     /// ustor: directory with `username` and `password` files (the mounted Secret).
@@ -147,6 +149,21 @@ fn serve(args: ServeArgs) -> Result<()> {
                 }
                 tracing::info!("stopping");
             };
+            let glue = if kubernetes {
+                let client = kube::Client::try_default()
+                    .await
+                    .map_err(|e| anyhow::anyhow!("--kubernetes: no Kubernetes client: {e}"))?;
+                Some(Glue::start(
+                    client,
+                    Settings {
+                        namespace,
+                        allow_insecure_http: ustor_allow_insecure_http,
+                        ..Settings::default()
+                    },
+                ))
+            } else {
+                None
+            };
             let mut background = Vec::new();
             let backend: Arc<dyn Backend> = match backend {
                 BackendKind::Local => {
@@ -164,9 +181,20 @@ fn serve(args: ServeArgs) -> Result<()> {
                     }
                     Arc::new(local)
                 }
+                // In Kubernetes without a fixed URL: the volumes of every connection.
+                BackendKind::Ustor if ustor_url.is_none() => {
+                    let glue = glue.as_ref().ok_or_else(|| {
+                        anyhow::anyhow!(
+                            "--backend ustor needs --kubernetes (the MindUstorStorageConnections) or --ustor-url"
+                        )
+                    })?;
+                    Arc::new(ConnectionsBackend::new(
+                        Arc::new(glue.connections.clone()),
+                        &ustor_pool,
+                    ))
+                }
                 BackendKind::Ustor => {
-                    let url = ustor_url
-                        .ok_or_else(|| anyhow::anyhow!("--backend ustor needs --ustor-url"))?;
+                    let url = ustor_url.unwrap_or_default();
                     check_ustor_url(&url, ustor_allow_insecure_http)?;
                     let ca = ustor_ca.map(std::fs::read).transpose()?;
                     let api = Arc::new(UstorApi::new(
@@ -197,21 +225,6 @@ fn serve(args: ServeArgs) -> Result<()> {
                         .map_err(|e| anyhow::anyhow!("--metrics-address {addr}: {e}"))?,
                 ),
                 None => None,
-            };
-            let glue = if kubernetes {
-                let client = kube::Client::try_default()
-                    .await
-                    .map_err(|e| anyhow::anyhow!("--kubernetes: no Kubernetes client: {e}"))?;
-                Some(Glue::start(
-                    client,
-                    Settings {
-                        namespace,
-                        allow_insecure_http: ustor_allow_insecure_http,
-                        ..Settings::default()
-                    },
-                ))
-            } else {
-                None
             };
             let nodes = glue
                 .as_ref()

@@ -402,6 +402,40 @@ async fn reconcilers_come_back_after_the_api_server_does() {
     .await;
 }
 
+/// The CSI controller over `backend`, in process, checking nodes through the glue, as the
+/// sidecars reach it: its client and its task.
+async fn serve_csi(
+    backend: Arc<dyn controller_shim::backend::Backend>,
+    glue: &Glue,
+    dir: &std::path::Path,
+) -> (
+    csi_proto::csi::controller_client::ControllerClient<tonic::transport::Channel>,
+    tokio::task::JoinHandle<()>,
+) {
+    let socket = dir.join("csi.sock");
+    let nodes: Arc<dyn controller_shim::service::Nodes> = Arc::new(glue.nodes.clone());
+    let server = {
+        let socket = socket.clone();
+        tokio::spawn(async move {
+            controller_shim::server::serve(
+                &socket,
+                backend,
+                "k8s".into(),
+                None,
+                Some(nodes),
+                std::future::pending(),
+            )
+            .await
+            .unwrap();
+        })
+    };
+    let channel = testkit::csi::wait_connect(&socket, Duration::from_secs(10)).await;
+    (
+        csi_proto::csi::controller_client::ControllerClient::new(channel),
+        server,
+    )
+}
+
 /// A CSINode as kubelet's registration creates it for a node running our node service.
 fn register_node(cluster: &KubeCluster, name: &str) {
     apply(
@@ -419,7 +453,6 @@ fn register_node(cluster: &KubeCluster, name: &str) {
 #[ignore = "kube: needs the test API server (tests/kube/run)"]
 async fn controller_publish_to_a_node_without_our_driver_is_not_found() {
     use controller_shim::backend::local::LocalBackend;
-    use csi_proto::csi::controller_client::ControllerClient;
     use csi_proto::csi::volume_capability::access_mode::Mode;
     use csi_proto::csi::*;
 
@@ -435,25 +468,7 @@ async fn controller_publish_to_a_node_without_our_driver_is_not_found() {
     );
     let dir = tempfile::tempdir().unwrap();
     let backend = LocalBackend::open(&dir.path().join("store"), "127.0.0.1:10809").unwrap();
-    let socket = dir.path().join("csi.sock");
-    let nodes: Arc<dyn controller_shim::service::Nodes> = Arc::new(glue.nodes.clone());
-    let server = {
-        let socket = socket.clone();
-        tokio::spawn(async move {
-            controller_shim::server::serve(
-                &socket,
-                Arc::new(backend),
-                "test".into(),
-                None,
-                Some(nodes),
-                std::future::pending(),
-            )
-            .await
-            .unwrap();
-        })
-    };
-    let mut csi =
-        ControllerClient::new(testkit::csi::wait_connect(&socket, Duration::from_secs(10)).await);
+    let (mut csi, server) = serve_csi(Arc::new(backend), &glue, dir.path()).await;
     let cap = testkit::csi::mount_capability("ext4", Mode::SingleNodeWriter);
     let volume = csi
         .create_volume(CreateVolumeRequest {
@@ -816,4 +831,143 @@ async fn a_connection_names_what_is_wrong_and_logs_in_by_the_products_rules() {
         s.conditions.iter().any(|c| c.reason == "Unreachable")
     })
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "kube: needs the test API server (tests/kube/run)"]
+async fn volumes_of_two_connections_live_on_their_own_ustor_clusters() {
+    use controller_shim::backend::connections::ConnectionsBackend;
+    use csi_proto::csi::volume_capability::access_mode::Mode;
+    use csi_proto::csi::*;
+
+    let cluster = KubeCluster::start().unwrap();
+    install_crds(&cluster);
+    apply(&cluster, include_str!("../../deploy/namespace.yaml"));
+    let (alpha, beta) = (
+        testkit::fake_ustor::FakeUstor::start().await.unwrap(),
+        testkit::fake_ustor::FakeUstor::start().await.unwrap(),
+    );
+    alpha.set_user("csi", "Alpha@1", None);
+    beta.set_user("csi", "Beta@1", None);
+    put_secret(
+        &cluster,
+        "creds-alpha",
+        &[("username", "csi"), ("password", "Alpha@1")],
+    );
+    put_secret(
+        &cluster,
+        "creds-beta",
+        &[("username", "csi"), ("password", "Beta@1")],
+    );
+    put_secret(&cluster, "tls", &TLS);
+    for (name, ustor) in [("alpha", &alpha), ("beta", &beta)] {
+        apply(
+            &cluster,
+            &connection_yaml(name)
+                .replace("https://ustor.example:23004", &ustor.url())
+                .replace(
+                    "credentialsSecretName: creds",
+                    &format!("credentialsSecretName: creds-{name}"),
+                ),
+        );
+    }
+    let client = client(&cluster).await;
+    let glue = Glue::start(client.clone(), test_settings());
+    let connections: Api<MindUstorStorageConnection> = Api::all(client.clone());
+    for name in ["alpha", "beta"] {
+        wait_connection(&connections, name, "Created", |s| {
+            s.phase == Some(Phase::Created)
+        })
+        .await;
+    }
+    let classes: Api<MindUstorStorageClass> = Api::all(client.clone());
+    create_class(&classes, "sc-alpha", "alpha").await;
+    create_class(&classes, "sc-beta", "beta").await;
+    wait_phase(&classes, "sc-alpha", Phase::Created).await;
+    wait_phase(&classes, "sc-beta", Phase::Created).await;
+    register_node(&cluster, "node-a");
+
+    let dir = tempfile::tempdir().unwrap();
+    let backend = ConnectionsBackend::new(Arc::new(glue.connections.clone()), "data");
+    let (mut csi, server) = serve_csi(Arc::new(backend), &glue, dir.path()).await;
+    let cap = testkit::csi::mount_capability("ext4", Mode::SingleNodeWriter);
+    // What external-provisioner sends: the StorageClass's parameters as they are.
+    let storage_classes: Api<StorageClass> = Api::all(client.clone());
+    let mut ids = Vec::new();
+    for class in ["sc-alpha", "sc-beta"] {
+        let parameters = storage_classes
+            .get(class)
+            .await
+            .unwrap()
+            .parameters
+            .unwrap();
+        let volume = csi
+            .create_volume(CreateVolumeRequest {
+                name: format!("pvc-{class}"),
+                capacity_range: Some(CapacityRange {
+                    required_bytes: 1 << 20,
+                    limit_bytes: 0,
+                }),
+                volume_capabilities: vec![cap.clone()],
+                parameters: parameters.into_iter().collect(),
+                ..Default::default()
+            })
+            .await
+            .unwrap_or_else(|e| panic!("CreateVolume with {class}: {e:?}"))
+            .into_inner()
+            .volume
+            .unwrap();
+        ids.push(volume.volume_id);
+    }
+    assert!(ids[0].starts_with("ustor:volume:alpha/data/"), "{}", ids[0]);
+    assert!(ids[1].starts_with("ustor:volume:beta/data/"), "{}", ids[1]);
+    assert_eq!(alpha.images(), ["data/k8s-pvc-sc-alpha"]);
+    assert_eq!(beta.images(), ["data/k8s-pvc-sc-beta"]);
+
+    // A new password in alpha's Secret: its volumes keep working with it.
+    alpha.set_user("csi", "Alpha@2", None);
+    put_secret(
+        &cluster,
+        "creds-alpha",
+        &[("username", "csi"), ("password", "Alpha@2")],
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    alpha.expire_tokens();
+    let published = csi
+        .controller_publish_volume(ControllerPublishVolumeRequest {
+            volume_id: ids[0].clone(),
+            node_id: "node-a".into(),
+            volume_capability: Some(cap.clone()),
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|e| panic!("publish after the password change: {e:?}"))
+        .into_inner();
+    assert!(published.publish_context["nbdUri"].starts_with("nbd://"));
+
+    // An id of the single-cluster controller (no connection) is the oldest connection's.
+    let legacy = ids[0].replace("alpha/", "");
+    csi.validate_volume_capabilities(ValidateVolumeCapabilitiesRequest {
+        volume_id: legacy,
+        volume_capabilities: vec![cap.clone()],
+        ..Default::default()
+    })
+    .await
+    .unwrap_or_else(|e| panic!("a legacy id: {e:?}"));
+
+    csi.controller_unpublish_volume(ControllerUnpublishVolumeRequest {
+        volume_id: ids[0].clone(),
+        node_id: "node-a".into(),
+    })
+    .await
+    .unwrap();
+    for id in &ids {
+        csi.delete_volume(DeleteVolumeRequest {
+            volume_id: id.clone(),
+        })
+        .await
+        .unwrap();
+    }
+    assert!(alpha.images().is_empty() && beta.images().is_empty());
+    server.abort();
 }

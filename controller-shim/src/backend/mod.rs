@@ -1,6 +1,7 @@
-//! Storage backends: one trait, a local directory of image files (the embedded default) and,
-//! later, the uStor management API.
+//! Storage backends: one trait; a local directory of image files (the embedded default), one
+//! uStor cluster's management API, and the uStor clusters of every MindUstorStorageConnection.
 
+pub mod connections;
 pub mod local;
 pub mod ustor;
 

@@ -15,9 +15,11 @@ use kube::{Api, ResourceExt};
 
 use super::crd::{ConnectionStatus, MindUstorStorageConnection, Phase};
 use super::{Context, GlueError};
+use crate::backend::connections::ConnectionDirectory;
 use crate::backend::ustor::api::UstorApi;
 use crate::backend::ustor::credentials::{Credentials, SharedCredentials};
 use crate::backend::ustor::login::Refusal;
+use crate::error::ControllerError;
 
 /// Keys of the credentials Secret.
 pub const CREDENTIAL_KEYS: [&str; 2] = ["username", "password"];
@@ -57,6 +59,57 @@ impl Sessions {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Session>>> {
         self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The connections as the CSI controller sees them: their sessions, and the resources
+/// (for the oldest one, and for why one is not usable).
+#[derive(Debug, Clone)]
+pub struct Directory {
+    pub sessions: Arc<Sessions>,
+    pub connections: kube::runtime::reflector::Store<MindUstorStorageConnection>,
+}
+
+impl ConnectionDirectory for Directory {
+    fn api(&self, connection: &str) -> Result<Arc<UstorApi>, ControllerError> {
+        if let Some(session) = self.sessions.get(connection) {
+            return Ok(Arc::clone(&session.api));
+        }
+        let known = self
+            .connections
+            .state()
+            .into_iter()
+            .find(|c| c.name_any() == connection);
+        Err(match known {
+            Some(c) => ControllerError::Unavailable(format!(
+                "MindUstorStorageConnection {connection} is not usable yet: {}",
+                c.status
+                    .as_ref()
+                    .and_then(|s| s.reason.clone())
+                    .unwrap_or_else(|| "being checked".into())
+            )),
+            None => ControllerError::FailedPrecondition(format!(
+                "MindUstorStorageConnection {connection} does not exist"
+            )),
+        })
+    }
+
+    fn oldest(&self) -> Option<String> {
+        self.connections
+            .state()
+            .into_iter()
+            .filter(|c| c.metadata.deletion_timestamp.is_none())
+            .min_by(|a, b| {
+                (
+                    a.metadata.creation_timestamp.as_ref().map(|t| t.0),
+                    a.name_any(),
+                )
+                    .cmp(&(
+                        b.metadata.creation_timestamp.as_ref().map(|t| t.0),
+                        b.name_any(),
+                    ))
+            })
+            .map(|c| c.name_any())
     }
 }
 

@@ -38,7 +38,7 @@ pub struct Context {
     pub client: Client,
     pub settings: Settings,
     /// The management API sessions of the connections.
-    pub sessions: connection::Sessions,
+    pub sessions: Arc<connection::Sessions>,
 }
 
 impl std::fmt::Debug for Context {
@@ -77,6 +77,8 @@ impl Default for Settings {
 #[derive(Debug)]
 pub struct Glue {
     pub nodes: nodes::CsiNodes,
+    /// The connections, for the CSI controller's backend.
+    pub connections: connection::Directory,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
@@ -91,27 +93,43 @@ impl Drop for Glue {
 impl Glue {
     pub fn start(client: Client, settings: Settings) -> Self {
         let poll = settings.snapshot_api_poll;
+        let sessions = Arc::new(connection::Sessions::default());
         let ctx = Arc::new(Context {
             client: client.clone(),
             settings,
-            sessions: Default::default(),
+            sessions: Arc::clone(&sessions),
         });
         let (nodes, node_watch) = nodes::CsiNodes::start(client.clone());
-        let connections = tokio::spawn(run_connections(client.clone(), Arc::clone(&ctx)));
+        let connection_controller = Controller::new(
+            Api::<MindUstorStorageConnection>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .trigger_backoff(watch_backoff());
+        let directory = connection::Directory {
+            sessions,
+            connections: connection_controller.store(),
+        };
+        let connections = tokio::spawn(run_connections(
+            connection_controller,
+            client.clone(),
+            Arc::clone(&ctx),
+        ));
         let classes = tokio::spawn(run_storage_classes(client, Arc::clone(&ctx)));
         let snapshots = tokio::spawn(snapshot_class::run(ctx, poll));
         Self {
             nodes,
+            connections: directory,
             tasks: vec![node_watch, connections, classes, snapshots],
         }
     }
 }
 
-async fn run_connections(client: Client, ctx: Arc<Context>) {
-    let connections: Api<MindUstorStorageConnection> = Api::all(client.clone());
+async fn run_connections(
+    controller: Controller<MindUstorStorageConnection>,
+    client: Client,
+    ctx: Arc<Context>,
+) {
     let secrets: Api<Secret> = Api::namespaced(client, &ctx.settings.namespace);
-    let controller =
-        Controller::new(connections, watcher::Config::default()).trigger_backoff(watch_backoff());
     // A Secret changed: its connections log in again within seconds.
     let known = controller.store();
     controller

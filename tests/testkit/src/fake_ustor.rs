@@ -91,6 +91,20 @@ impl FakeUstor {
         self.inner.logins.load(Ordering::SeqCst)
     }
 
+    /// Keys (`<pool>/<image>`) of the images it holds, sorted.
+    pub fn images(&self) -> Vec<String> {
+        let mut keys: Vec<String> = self
+            .inner
+            .images
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .keys()
+            .cloned()
+            .collect();
+        keys.sort();
+        keys
+    }
+
     /// Every token issued so far expires: the next call answers 401 TokenExpired.
     pub fn expire_tokens(&self) {
         self.inner

@@ -101,6 +101,9 @@ fn from_labels(image: &Image) -> Result<VolumeMeta, ControllerError> {
 }
 
 impl UstorBackend {
+    /// Size unit of uStor images.
+    pub const GRANULARITY: u64 = GRANULARITY;
+
     pub fn new(api: Arc<UstorApi>, default_pool: &str) -> Self {
         Self {
             api,

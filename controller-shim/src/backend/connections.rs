@@ -1,0 +1,237 @@
+//! Volumes of every MindUstorStorageConnection at once (the old product served only the
+//! oldest). A volume's key starts with its connection, `<connection>/<pool>/<image>`, so its
+//! id says where it lives; keys of the single-cluster controller (`<pool>/<image>`) belong
+//! to the oldest connection, which is what that controller served. Each call goes to the
+//! connection's management API session, whose credentials follow its Secret.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+
+use super::ustor::api::UstorApi;
+use super::ustor::backend::UstorBackend;
+use super::{Backend, SnapshotMeta, VolumeMeta};
+use crate::error::ControllerError;
+use crate::ids::valid_connection;
+
+/// The StorageClass parameter naming the connection.
+pub const CONNECTION_PARAMETER: &str = "connection";
+
+/// Where the connections' sessions are (in Kubernetes: the connection reconciler's).
+pub trait ConnectionDirectory: Send + Sync + fmt::Debug {
+    /// The management API of `connection`; UNAVAILABLE (saying why) while it is not usable.
+    fn api(&self, connection: &str) -> Result<Arc<UstorApi>, ControllerError>;
+    /// The oldest connection, for keys and StorageClasses that name none.
+    fn oldest(&self) -> Option<String>;
+}
+
+#[derive(Debug)]
+pub struct ConnectionsBackend {
+    directory: Arc<dyn ConnectionDirectory>,
+    default_pool: String,
+}
+
+/// A key's connection (none for a key of the single-cluster controller) and the rest.
+fn split(key: &str) -> (Option<&str>, &str) {
+    match key.split('/').count() {
+        3 => key
+            .split_once('/')
+            .map_or((None, key), |(c, rest)| (Some(c), rest)),
+        _ => (None, key),
+    }
+}
+
+impl ConnectionsBackend {
+    pub fn new(directory: Arc<dyn ConnectionDirectory>, default_pool: &str) -> Self {
+        Self {
+            directory,
+            default_pool: default_pool.to_owned(),
+        }
+    }
+
+    fn oldest(&self) -> Result<String, ControllerError> {
+        self.directory.oldest().ok_or_else(|| {
+            ControllerError::FailedPrecondition(
+                "no MindUstorStorageConnection exists: create one (see the README's quick start)"
+                    .into(),
+            )
+        })
+    }
+
+    /// The backend serving `connection` (the oldest when none is named).
+    fn serving(&self, connection: Option<&str>) -> Result<(String, UstorBackend), ControllerError> {
+        let name = match connection {
+            Some(c) => c.to_owned(),
+            None => self.oldest()?,
+        };
+        let api = self.directory.api(&name)?;
+        Ok((name, UstorBackend::new(api, &self.default_pool)))
+    }
+
+    /// The backend of an image key and the key as that backend knows it.
+    fn route<'k>(&self, key: &'k str) -> Result<(UstorBackend, &'k str), ControllerError> {
+        let (connection, rest) = split(key);
+        let (_, backend) = self.serving(connection)?;
+        Ok((backend, rest))
+    }
+}
+
+#[tonic::async_trait]
+impl Backend for ConnectionsBackend {
+    fn name(&self) -> &'static str {
+        "ustor"
+    }
+
+    fn granularity(&self) -> u64 {
+        UstorBackend::GRANULARITY
+    }
+
+    fn volume_key(
+        &self,
+        image: &str,
+        parameters: &BTreeMap<String, String>,
+    ) -> Result<String, ControllerError> {
+        let connection = match parameters.get(CONNECTION_PARAMETER) {
+            Some(c) => c.clone(),
+            None => self.oldest()?,
+        };
+        valid_connection(&connection)?;
+        let pool = parameters.get("pool").unwrap_or(&self.default_pool);
+        crate::ids::valid_pool(pool)?;
+        Ok(format!("{connection}/{pool}/{image}"))
+    }
+
+    fn snapshot_key(&self, image: &str, source: &str) -> String {
+        let (connection, rest) = split(source);
+        let pool = rest
+            .split_once('/')
+            .map_or(self.default_pool.as_str(), |(p, _)| p);
+        match connection {
+            Some(c) => format!("{c}/{pool}/{image}"),
+            None => format!("{pool}/{image}"),
+        }
+    }
+
+    async fn export_uri(&self, key: &str) -> Result<String, ControllerError> {
+        let (backend, rest) = self.route(key)?;
+        backend.export_uri(rest).await
+    }
+
+    async fn volume(&self, key: &str) -> Result<Option<VolumeMeta>, ControllerError> {
+        let (backend, rest) = self.route(key)?;
+        backend.volume(rest).await
+    }
+
+    async fn create_volume(&self, key: &str, meta: &VolumeMeta) -> Result<(), ControllerError> {
+        let (connection, rest) = split(key);
+        let (backend, _) = self.route(key)?;
+        // A clone or restore copies inside one uStor cluster.
+        let mut meta = meta.clone();
+        if let Some(source) = meta.source.as_mut() {
+            let source_key = match source {
+                super::Source::Snapshot(k) | super::Source::Volume(k) => k,
+            };
+            let (source_connection, source_rest) = split(source_key);
+            let same = source_connection
+                .map(str::to_owned)
+                .or(self.directory.oldest())
+                == connection.map(str::to_owned).or(self.directory.oldest());
+            if !same {
+                return Err(ControllerError::invalid(format!(
+                    "the source {source_key} is on another uStor connection than {key}: \
+                     a clone or restore stays on its source's connection"
+                )));
+            }
+            *source_key = source_rest.to_owned();
+        }
+        backend.create_volume(rest, &meta).await
+    }
+
+    async fn update_volume(&self, key: &str, meta: &VolumeMeta) -> Result<(), ControllerError> {
+        let (backend, rest) = self.route(key)?;
+        backend.update_volume(rest, meta).await
+    }
+
+    async fn delete_volume(&self, key: &str) -> Result<(), ControllerError> {
+        let (backend, rest) = self.route(key)?;
+        backend.delete_volume(rest).await
+    }
+
+    async fn grow_volume(&self, key: &str, size: u64) -> Result<(), ControllerError> {
+        let (backend, rest) = self.route(key)?;
+        backend.grow_volume(rest, size).await
+    }
+
+    async fn snapshot(&self, key: &str) -> Result<Option<SnapshotMeta>, ControllerError> {
+        let (connection, rest) = split(key);
+        let (backend, _) = self.route(key)?;
+        Ok(backend
+            .snapshot(rest)
+            .await?
+            .map(|meta| prefixed(connection, meta)))
+    }
+
+    async fn create_snapshot(&self, key: &str, meta: &SnapshotMeta) -> Result<(), ControllerError> {
+        let (backend, rest) = self.route(key)?;
+        let mut meta = meta.clone();
+        meta.source_image = split(&meta.source_image).1.to_owned();
+        backend.create_snapshot(rest, &meta).await
+    }
+
+    async fn delete_snapshot(&self, key: &str) -> Result<(), ControllerError> {
+        let (backend, rest) = self.route(key)?;
+        backend.delete_snapshot(rest).await
+    }
+
+    async fn snapshots(
+        &self,
+        near: Option<&str>,
+    ) -> Result<Vec<(String, SnapshotMeta)>, ControllerError> {
+        let (connection, rest) = near.map_or((None, None), |k| {
+            let (c, r) = split(k);
+            (c, Some(r))
+        });
+        let (_, backend) = self.serving(connection)?;
+        Ok(backend
+            .snapshots(rest)
+            .await?
+            .into_iter()
+            .map(|(key, meta)| {
+                let key = connection.map_or(key.clone(), |c| format!("{c}/{key}"));
+                (key, prefixed(connection, meta))
+            })
+            .collect())
+    }
+
+    async fn capacity(
+        &self,
+        parameters: &BTreeMap<String, String>,
+    ) -> Result<Option<u64>, ControllerError> {
+        let (_, backend) =
+            self.serving(parameters.get(CONNECTION_PARAMETER).map(String::as_str))?;
+        backend.capacity(parameters).await
+    }
+}
+
+/// A snapshot's keys as this backend issues them: with the connection when the caller's had it.
+fn prefixed(connection: Option<&str>, mut meta: SnapshotMeta) -> SnapshotMeta {
+    if let Some(c) = connection {
+        meta.name = format!("{c}/{}", meta.name);
+        meta.source_image = format!("{c}/{}", meta.source_image);
+    }
+    meta
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_carry_their_connection_and_old_keys_have_none() {
+        assert_eq!(
+            split("main/data/k8s-pvc-1"),
+            (Some("main"), "data/k8s-pvc-1")
+        );
+        assert_eq!(split("data/k8s-pvc-1"), (None, "data/k8s-pvc-1"));
+    }
+}
