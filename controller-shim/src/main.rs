@@ -86,6 +86,10 @@ struct ServeArgs {
     /// in-cluster service account or $KUBECONFIG.
     #[arg(long)]
     kubernetes: bool,
+    /// Elect a leader among replicas (a Lease in --namespace) so only one writes; the
+    /// identity is $POD_NAME, else the host name.
+    #[arg(long)]
+    leader_election: bool,
     /// The driver's namespace, where the connections' Secrets are.
     #[arg(long, env = "POD_NAMESPACE", default_value = controller_shim::kube::DEFAULT_NAMESPACE)]
     namespace: String,
@@ -124,7 +128,15 @@ fn serve(args: ServeArgs) -> Result<()> {
         ustor_pool,
         kubernetes,
         namespace,
+        leader_election,
     } = args;
+    let election = leader_election.then(|| {
+        std::env::var("POD_NAME").unwrap_or_else(|_| {
+            nix::unistd::gethostname()
+                .map(|h| h.to_string_lossy().into_owned())
+                .unwrap_or_else(|_| format!("pid-{}", std::process::id()))
+        })
+    });
     valid_cluster_id(&cluster_id).map_err(anyhow::Error::msg)?;
     let socket = PathBuf::from(
         csi_endpoint
@@ -158,6 +170,7 @@ fn serve(args: ServeArgs) -> Result<()> {
                     Settings {
                         namespace,
                         allow_insecure_http: ustor_allow_insecure_http,
+                        election,
                         ..Settings::default()
                     },
                 ))

@@ -570,7 +570,13 @@ async fn every_manifest_applies_and_the_controller_needs_no_more_than_its_roles(
         forbidden.list(&Default::default()).await.is_err(),
         "the service account must not read Secrets outside its namespace"
     );
-    let glue = Glue::start(account, test_settings());
+    let glue = Glue::start(
+        account,
+        Settings {
+            election: Some("replica-a".into()),
+            ..test_settings()
+        },
+    );
     register_node(&cluster, "node-a");
     apply(&cluster, &connection_yaml("main"));
     let admin = client(&cluster).await;
@@ -970,4 +976,71 @@ async fn volumes_of_two_connections_live_on_their_own_ustor_clusters() {
     }
     assert!(alpha.images().is_empty() && beta.images().is_empty());
     server.abort();
+}
+
+/// The managers that wrote a resource's status (`managedFields` of its status subresource).
+fn status_writers(object: &kube::api::ObjectMeta) -> Vec<String> {
+    let mut out: Vec<String> = object
+        .managed_fields
+        .iter()
+        .flatten()
+        .filter(|f| {
+            f.subresource.as_deref() == Some("status")
+                || f.fields_v1
+                    .as_ref()
+                    .is_some_and(|v| v.0.get("f:status").is_some())
+        })
+        .filter_map(|f| f.manager.clone())
+        .collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "kube: needs the test API server (tests/kube/run)"]
+async fn two_replicas_never_both_write_and_the_follower_takes_over() {
+    let cluster = KubeCluster::start().unwrap();
+    install_crds(&cluster);
+    apply(&cluster, include_str!("../../deploy/namespace.yaml"));
+    let client = client(&cluster).await;
+    let replica = |name: &str| {
+        Glue::start(
+            client.clone(),
+            Settings {
+                election: Some(name.into()),
+                ..test_settings()
+            },
+        )
+    };
+    let mut replicas = vec![("a", replica("a")), ("b", replica("b"))];
+    apply(&cluster, &connection_yaml("main"));
+    let classes: Api<MindUstorStorageClass> = Api::all(client.clone());
+    create_class(&classes, "first", "main").await;
+    let first = wait_phase(&classes, "first", Phase::Created).await;
+    let writers = status_writers(&first.metadata);
+    assert_eq!(writers.len(), 1, "one replica wrote: {writers:?}");
+    let leader = writers[0]
+        .trim_start_matches("ustor-csi-controller/")
+        .to_owned();
+
+    // The leader stops; the other takes over, and it alone writes from then on.
+    let position = replicas.iter().position(|(n, _)| *n == leader).unwrap();
+    let (_, gone) = replicas.remove(position);
+    drop(gone);
+    create_class(&classes, "second", "main").await;
+    let second = eventually(
+        "the follower took over",
+        Duration::from_secs(60),
+        || async {
+            let c = classes.get("second").await.ok()?;
+            (c.status.as_ref()?.phase == Some(Phase::Created)).then_some(c)
+        },
+    )
+    .await;
+    let follower = replicas[0].0;
+    assert_eq!(
+        status_writers(&second.metadata),
+        [format!("ustor-csi-controller/{follower}")]
+    );
 }

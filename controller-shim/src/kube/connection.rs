@@ -177,22 +177,27 @@ pub async fn reconcile(
         ctx.sessions.lock().remove(&connection.name_any());
         return Ok(Action::await_change());
     }
-    let verdict = check(&connection, &ctx).await?;
+    let prepared = prepare(&connection, &ctx).await?;
+    if !ctx.leader.is_leader() {
+        // Sessions stay current on every replica; the status and the login checks are the
+        // leader's.
+        return Ok(Action::requeue(super::FOLLOWER_RECHECK));
+    }
+    let verdict = match prepared {
+        Err(why) => Verdict::Misconfigured(why),
+        Ok((session, versions)) => login(&session, versions).await,
+    };
     let status = status_for(&connection, &verdict);
-    super::write_status(
-        &ctx.client,
-        &*connection,
-        connection.status.as_ref(),
-        &status,
-    )
-    .await?;
+    super::write_status(&ctx, &*connection, connection.status.as_ref(), &status).await?;
     Ok(Action::requeue(CHECK_EVERY))
 }
 
-async fn check(
+/// The connection's session with the Secrets' current credentials, and the Secrets'
+/// versions; `Ok(Err(reason))` when the spec or the Secrets are wrong.
+async fn prepare(
     connection: &MindUstorStorageConnection,
     ctx: &Context,
-) -> Result<Verdict, GlueError> {
+) -> Result<Result<(Arc<Session>, String), String>, GlueError> {
     let name = connection.name_any();
     let spec = &connection.spec;
     if let Some(first) = connection
@@ -201,7 +206,7 @@ async fn check(
         .and_then(|s| s.control_plane_address.as_ref())
     {
         if *first != spec.control_plane.address {
-            return Ok(Verdict::Misconfigured(format!(
+            return Ok(Err(format!(
                 "controlPlane.address cannot be changed: the volumes of this connection are on {first}; \
                  set it back, or create another connection for another uStor cluster"
             )));
@@ -211,7 +216,7 @@ async fn check(
         &spec.control_plane.address,
         ctx.settings.allow_insecure_http,
     ) {
-        return Ok(Verdict::Misconfigured(reason));
+        return Ok(Err(reason));
     }
     let ns = &ctx.settings.namespace;
     let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), ns);
@@ -227,7 +232,7 @@ async fn check(
         &CREDENTIAL_KEYS,
     ) {
         Ok(data) => data,
-        Err(reason) => return Ok(Verdict::Misconfigured(reason)),
+        Err(reason) => return Ok(Err(reason)),
     };
     let tls = match secret_data(
         tls_secret.as_ref(),
@@ -237,7 +242,7 @@ async fn check(
         &TLS_KEYS,
     ) {
         Ok(data) => data,
-        Err(reason) => return Ok(Verdict::Misconfigured(reason)),
+        Err(reason) => return Ok(Err(reason)),
     };
     let versions = format!(
         "{}/{}",
@@ -250,12 +255,19 @@ async fn check(
     );
     let session = match session_for(ctx, &name, &spec.control_plane.address, &tls["ca.crt"]) {
         Ok(session) => session,
-        Err(reason) => return Ok(Verdict::Misconfigured(reason)),
+        Err(reason) => return Ok(Err(reason)),
     };
     session.credentials.set(Credentials::new(
         text(&credentials, "username"),
         text(&credentials, "password"),
     ));
+    Ok(Ok((session, versions)))
+}
+
+/// Logs in when the rules say so: now if a Secret changed since the last attempt (the rules
+/// still refuse a second try with credentials uStor just refused), else only when the hourly
+/// check or a retry is due.
+async fn login(session: &Session, versions: String) -> Verdict {
     let changed = {
         let mut last = session
             .logged_in_with
@@ -265,14 +277,12 @@ async fn check(
         *last = Some(versions);
         changed
     };
-    // A Secret changed: log in now (the rules still refuse a second try with credentials
-    // uStor just refused). Otherwise only when the hourly check or a retry is due.
     let outcome = if changed {
         session.api.login().await
     } else {
         session.api.keepalive().await
     };
-    Ok(match (outcome, session.api.refusal().await) {
+    match (outcome, session.api.refusal().await) {
         (Ok(()), None) => Verdict::LoggedIn,
         (Ok(()), Some(reason)) | (Err(_), Some(reason)) => Verdict::Refused {
             reason,
@@ -282,7 +292,7 @@ async fn check(
             reason: Refusal::LoginRejected,
             message: e.to_string(),
         },
-    })
+    }
 }
 
 /// The management API carries the password: https only, unless explicitly allowed.

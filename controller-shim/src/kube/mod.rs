@@ -5,6 +5,7 @@
 
 pub mod connection;
 pub mod crd;
+pub mod leader;
 pub mod nodes;
 pub mod snapshot_class;
 pub mod storage_class;
@@ -39,6 +40,26 @@ pub struct Context {
     pub settings: Settings,
     /// The management API sessions of the connections.
     pub sessions: Arc<connection::Sessions>,
+    /// Only the leader writes.
+    pub leader: leader::Leadership,
+    /// The field manager of every write, naming the replica (`managedFields` show who wrote).
+    pub field_manager: String,
+}
+
+impl Context {
+    pub fn patch_params(&self) -> kube::api::PatchParams {
+        kube::api::PatchParams {
+            field_manager: Some(self.field_manager.clone()),
+            ..Default::default()
+        }
+    }
+
+    pub fn post_params(&self) -> kube::api::PostParams {
+        kube::api::PostParams {
+            field_manager: Some(self.field_manager.clone()),
+            ..Default::default()
+        }
+    }
 }
 
 impl std::fmt::Debug for Context {
@@ -57,6 +78,8 @@ pub struct Settings {
     pub allow_insecure_http: bool,
     /// The login rules' pauses (the product's defaults; shorter in tests).
     pub login_timing: crate::backend::ustor::login::Timing,
+    /// Take part in leader election under this identity; without it, this replica leads.
+    pub election: Option<String>,
 }
 
 /// The namespace of the guide.
@@ -69,6 +92,7 @@ impl Default for Settings {
             snapshot_api_poll: Duration::from_secs(30),
             allow_insecure_http: false,
             login_timing: Default::default(),
+            election: None,
         }
     }
 }
@@ -94,10 +118,26 @@ impl Glue {
     pub fn start(client: Client, settings: Settings) -> Self {
         let poll = settings.snapshot_api_poll;
         let sessions = Arc::new(connection::Sessions::default());
+        let mut tasks = Vec::new();
+        let leader = match &settings.election {
+            Some(identity) => {
+                let (leader, election) =
+                    leader::Leadership::elect(client.clone(), &settings.namespace, identity);
+                tasks.push(election);
+                leader
+            }
+            None => leader::Leadership::always(),
+        };
+        let field_manager = match &settings.election {
+            Some(identity) => format!("ustor-csi-controller/{identity}"),
+            None => "ustor-csi-controller".to_owned(),
+        };
         let ctx = Arc::new(Context {
             client: client.clone(),
             settings,
             sessions: Arc::clone(&sessions),
+            leader,
+            field_manager,
         });
         let (nodes, node_watch) = nodes::CsiNodes::start(client.clone());
         let connection_controller = Controller::new(
@@ -119,7 +159,10 @@ impl Glue {
         Self {
             nodes,
             connections: directory,
-            tasks: vec![node_watch, connections, classes, snapshots],
+            tasks: {
+                tasks.extend([node_watch, connections, classes, snapshots]);
+                tasks
+            },
         }
     }
 }
@@ -188,6 +231,10 @@ pub(crate) fn watch_backoff() -> watcher::ExponentialBackoff {
         .into()
 }
 
+/// How soon a follower looks again: after a leader change, everything is reconciled within
+/// this.
+const FOLLOWER_RECHECK: Duration = Duration::from_secs(5);
+
 /// A reconcile's failure, at debug level: `retry_later` already warned about it.
 async fn log_failure<T, E: std::fmt::Display>(result: Result<T, E>, kind: &'static str) {
     if let Err(e) = result {
@@ -197,7 +244,7 @@ async fn log_failure<T, E: std::fmt::Display>(result: Result<T, E>, kind: &'stat
 
 /// Writes `status` into a resource of ours, only when it differs from what it has.
 async fn write_status<K, S>(
-    client: &Client,
+    ctx: &Context,
     object: &K,
     current: Option<&S>,
     status: &S,
@@ -212,10 +259,10 @@ where
     if current == Some(status) {
         return Ok(());
     }
-    let api: Api<K> = Api::all(client.clone());
+    let api: Api<K> = Api::all(ctx.client.clone());
     api.patch_status(
         &object.name_any(),
-        &kube::api::PatchParams::default(),
+        &ctx.patch_params(),
         &kube::api::Patch::Merge(serde_json::json!({ "status": status })),
     )
     .await?;

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use kube::api::{ApiResource, DynamicObject, GroupVersionKind, PostParams};
+use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
 use kube::Api;
 
 use super::{Context, GlueError, SNAPSHOT_CLASS};
@@ -38,7 +38,7 @@ pub async fn ensure(ctx: &Context) -> Result<SnapshotApi, GlueError> {
     if api.get_opt(SNAPSHOT_CLASS).await?.is_none() {
         let mut class = DynamicObject::new(SNAPSHOT_CLASS, &resource);
         class.data = serde_json::json!({ "driver": DRIVER_NAME, "deletionPolicy": "Delete" });
-        match api.create(&PostParams::default(), &class).await {
+        match api.create(&ctx.post_params(), &class).await {
             Ok(_) => tracing::info!(class = SNAPSHOT_CLASS, "VolumeSnapshotClass created"),
             // Another writer was quicker: the class exists, which is all that matters.
             Err(kube::Error::Api(e)) if e.code == 409 => {}
@@ -52,6 +52,10 @@ pub async fn ensure(ctx: &Context) -> Result<SnapshotApi, GlueError> {
 pub async fn run(ctx: std::sync::Arc<Context>, poll: Duration) {
     let mut last = None;
     loop {
+        if !ctx.leader.is_leader() {
+            tokio::time::sleep(poll).await;
+            continue;
+        }
         match ensure(&ctx).await {
             Ok(state) => {
                 if last != Some(state) {

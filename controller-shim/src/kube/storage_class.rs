@@ -11,7 +11,7 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::{TopologySelectorLabelRequirement, TopologySelectorTerm};
 use k8s_openapi::api::storage::v1::StorageClass;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::api::{Patch, PatchParams, PostParams};
+use kube::api::Patch;
 use kube::runtime::controller::Action;
 use kube::{Api, Resource, ResourceExt};
 
@@ -153,6 +153,9 @@ pub async fn reconcile(
     if class.meta().deletion_timestamp.is_some() {
         return Ok(Action::await_change());
     }
+    if !ctx.leader.is_leader() {
+        return Ok(Action::requeue(super::FOLLOWER_RECHECK));
+    }
     let status = match ensure(&class, &ctx).await? {
         Ok(()) => StorageClassStatus {
             phase: Some(Phase::Created),
@@ -167,7 +170,7 @@ pub async fn reconcile(
         }
     };
     let failed = status.phase == Some(Phase::Failed);
-    super::write_status(&ctx.client, &*class, class.status.as_ref(), &status).await?;
+    super::write_status(&ctx, &*class, class.status.as_ref(), &status).await?;
     Ok(Action::requeue(if failed { RETRY_FAILED } else { RESYNC }))
 }
 
@@ -195,7 +198,7 @@ async fn ensure(
         if let Err(reason) = crate::ids::valid_pool(&class.spec.pool) {
             return Ok(Err(reason.to_string()));
         }
-        classes.create(&PostParams::default(), &wanted).await?;
+        classes.create(&ctx.post_params(), &wanted).await?;
         tracing::info!(class = %name, "StorageClass created");
         return Ok(Ok(()));
     };
@@ -219,7 +222,7 @@ async fn ensure(
     }
     if let Some(patch) = missing_mutable(&existing) {
         classes
-            .patch(&name, &PatchParams::default(), &Patch::Merge(patch))
+            .patch(&name, &ctx.patch_params(), &Patch::Merge(patch))
             .await?;
     }
     Ok(Ok(()))
