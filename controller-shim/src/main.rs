@@ -17,6 +17,7 @@ use controller_shim::backend::ustor::login::Timing;
 use controller_shim::backend::Backend;
 use controller_shim::exports::ExportServer;
 use controller_shim::ids::valid_cluster_id;
+use controller_shim::kube::webhook::WebhookSettings;
 use controller_shim::kube::{Glue, Settings};
 use controller_shim::service::Nodes;
 
@@ -90,6 +91,24 @@ struct ServeArgs {
     /// identity is $POD_NAME, else the host name.
     #[arg(long)]
     leader_election: bool,
+    /// ip:port to serve the admission webhook on over TLS (e.g. 0.0.0.0:9443); off unless given.
+    #[arg(long)]
+    webhook_address: Option<SocketAddr>,
+    /// The kubernetes.io/tls Secret (in --namespace) with the webhook's certificate; re-read
+    /// when it changes.
+    #[arg(long, default_value = "csi-controller-webhook-tls")]
+    webhook_cert_secret: String,
+    /// Users that may create ReadWriteMany block claims: exact names, or prefixes ending in *.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "system:serviceaccount:d8-virtualization:*"
+    )]
+    webhook_migration_users: Vec<String>,
+    /// The only user allowed to write this driver's StorageClasses (default: the
+    /// csi-controller service account of --namespace).
+    #[arg(long)]
+    webhook_controller_user: Option<String>,
     /// The driver's namespace, where the connections' Secrets are.
     #[arg(long, env = "POD_NAMESPACE", default_value = controller_shim::kube::DEFAULT_NAMESPACE)]
     namespace: String,
@@ -129,7 +148,18 @@ fn serve(args: ServeArgs) -> Result<()> {
         kubernetes,
         namespace,
         leader_election,
+        webhook_address,
+        webhook_cert_secret,
+        webhook_migration_users,
+        webhook_controller_user,
     } = args;
+    let webhook = webhook_address.map(|listen| WebhookSettings {
+        listen,
+        cert_secret: webhook_cert_secret,
+        migration_users: webhook_migration_users,
+        controller_user: webhook_controller_user
+            .unwrap_or_else(|| format!("system:serviceaccount:{namespace}:csi-controller")),
+    });
     let election = leader_election.then(|| {
         std::env::var("POD_NAME").unwrap_or_else(|_| {
             nix::unistd::gethostname()
@@ -171,6 +201,7 @@ fn serve(args: ServeArgs) -> Result<()> {
                         namespace,
                         allow_insecure_http: ustor_allow_insecure_http,
                         election,
+                        webhook,
                         ..Settings::default()
                     },
                 ))

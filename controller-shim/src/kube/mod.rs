@@ -9,6 +9,7 @@ pub mod leader;
 pub mod nodes;
 pub mod snapshot_class;
 pub mod storage_class;
+pub mod webhook;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -80,6 +81,8 @@ pub struct Settings {
     pub login_timing: crate::backend::ustor::login::Timing,
     /// Take part in leader election under this identity; without it, this replica leads.
     pub election: Option<String>,
+    /// Serve the admission webhook (every replica serves it).
+    pub webhook: Option<webhook::WebhookSettings>,
 }
 
 /// The namespace of the guide.
@@ -93,6 +96,7 @@ impl Default for Settings {
             allow_insecure_http: false,
             login_timing: Default::default(),
             election: None,
+            webhook: None,
         }
     }
 }
@@ -128,6 +132,19 @@ impl Glue {
             }
             None => leader::Leadership::always(),
         };
+        if let Some(hook) = settings.webhook.clone() {
+            let (client, namespace) = (client.clone(), settings.namespace.clone());
+            tasks.push(tokio::spawn(async move {
+                let listen = hook.listen;
+                let served = match tokio::net::TcpListener::bind(listen).await {
+                    Ok(listener) => webhook::serve(listener, client, namespace, hook).await,
+                    Err(e) => Err(e),
+                };
+                if let Err(e) = served {
+                    tracing::error!(%listen, error = %e, "admission webhook stopped");
+                }
+            }));
+        }
         let field_manager = match &settings.election {
             Some(identity) => format!("ustor-csi-controller/{identity}"),
             None => "ustor-csi-controller".to_owned(),

@@ -1,0 +1,178 @@
+//! What the admission webhook allows, as pure functions over the objects. PVC access modes
+//! are mapped to CSI modes as external-provisioner maps them and checked with the same rules
+//! the controller and the node apply (`csi_proto::capability`), so a claim is refused at
+//! `kubectl apply` for exactly the reasons CreateVolume would refuse it later.
+
+use csi_proto::capability;
+use csi_proto::csi::volume_capability::access_mode::Mode;
+use csi_proto::csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume};
+use csi_proto::csi::VolumeCapability;
+use k8s_openapi::api::core::v1::PersistentVolumeClaim;
+use k8s_openapi::api::storage::v1::StorageClass;
+
+use crate::kube::crd::{MindUstorStorageClass, MindUstorStorageConnection};
+use csi_proto::DRIVER_NAME;
+
+/// The CSI mode external-provisioner asks for a Kubernetes access mode.
+fn csi_mode(access_mode: &str) -> Option<Mode> {
+    Some(match access_mode {
+        "ReadWriteOnce" => Mode::SingleNodeWriter,
+        "ReadWriteOncePod" => Mode::SingleNodeSingleWriter,
+        "ReadOnlyMany" => Mode::MultiNodeReaderOnly,
+        "ReadWriteMany" => Mode::MultiNodeMultiWriter,
+        _ => return None,
+    })
+}
+
+/// Whether `user` matches one of `patterns` (exact, or a prefix ending in `*`).
+pub fn user_matches(user: &str, patterns: &[String]) -> bool {
+    patterns.iter().any(|p| match p.strip_suffix('*') {
+        Some(prefix) => user.starts_with(prefix),
+        None => user == p,
+    })
+}
+
+/// A claim of one of our StorageClasses, created by `user`. `migration_users` may create
+/// ReadWriteMany block claims (the virtualization module's live migration).
+pub fn review_claim(
+    claim: &PersistentVolumeClaim,
+    user: &str,
+    migration_users: &[String],
+) -> Result<(), String> {
+    let spec = claim.spec.clone().unwrap_or_default();
+    let block = spec.volume_mode.as_deref() == Some("Block");
+    let access_type = if block {
+        AccessType::Block(BlockVolume {})
+    } else {
+        AccessType::Mount(MountVolume::default())
+    };
+    let modes = spec.access_modes.unwrap_or_default();
+    for mode in &modes {
+        let Some(csi) = csi_mode(mode) else {
+            return Err(format!(
+                "access mode {mode} is not supported by {DRIVER_NAME}"
+            ));
+        };
+        let cap = VolumeCapability {
+            access_type: Some(access_type.clone()),
+            access_mode: Some(AccessMode { mode: csi as i32 }),
+        };
+        capability::check(&cap).map_err(|why| format!("{mode}: {why}"))?;
+        if block && csi == Mode::MultiNodeMultiWriter && !user_matches(user, migration_users) {
+            return Err(format!(
+                "ReadWriteMany block volumes are for the live migration of virtual machines and only the \
+                 virtualization module may create them ({user} may not); use ReadWriteOncePod for a pod's raw disk"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A StorageClass write by `user`: ours are made by the controller from a
+/// MindUstorStorageClass, by nobody else.
+pub fn review_storage_class(
+    class: &StorageClass,
+    user: &str,
+    controller_user: &str,
+) -> Result<(), String> {
+    if class.provisioner != DRIVER_NAME || user == controller_user {
+        return Ok(());
+    }
+    Err(format!(
+        "StorageClasses of {DRIVER_NAME} are made by its controller from MindUstorStorageClass resources: \
+         create or change a MindUstorStorageClass instead ({user} may not write them)"
+    ))
+}
+
+/// An update of a connection: its management API never changes.
+pub fn review_connection_update(
+    old: &MindUstorStorageConnection,
+    new: &MindUstorStorageConnection,
+) -> Result<(), String> {
+    let (was, is) = (
+        &old.spec.control_plane.address,
+        &new.spec.control_plane.address,
+    );
+    if was == is {
+        return Ok(());
+    }
+    Err(format!(
+        "spec.controlPlane.address cannot be changed (from {was} to {is}): the volumes of this connection \
+         stay on the uStor cluster they were created on; create another connection for another cluster"
+    ))
+}
+
+/// An update of a MindUstorStorageClass: its spec is fixed once created.
+pub fn review_class_update(
+    old: &MindUstorStorageClass,
+    new: &MindUstorStorageClass,
+) -> Result<(), String> {
+    if old.spec == new.spec {
+        return Ok(());
+    }
+    Err(
+        "the spec of a MindUstorStorageClass cannot be changed: volumes already provisioned depend on it; \
+         create another MindUstorStorageClass with the new parameters"
+            .into(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::PersistentVolumeClaimSpec;
+
+    fn claim(modes: &[&str], block: bool) -> PersistentVolumeClaim {
+        PersistentVolumeClaim {
+            spec: Some(PersistentVolumeClaimSpec {
+                access_modes: Some(modes.iter().map(|m| (*m).to_owned()).collect()),
+                volume_mode: Some(if block { "Block" } else { "Filesystem" }.into()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    const VIRT: &str = "system:serviceaccount:d8-virtualization:virtualization-controller";
+
+    fn migration() -> Vec<String> {
+        vec!["system:serviceaccount:d8-virtualization:*".into()]
+    }
+
+    #[test]
+    fn claims_take_the_guides_modes_and_say_what_to_use() {
+        let user = "alice";
+        for (modes, block) in [
+            (&["ReadWriteOnce"][..], false),
+            (&["ReadWriteOncePod"][..], false),
+            (&["ReadWriteOncePod"][..], true),
+        ] {
+            assert!(
+                review_claim(&claim(modes, block), user, &migration()).is_ok(),
+                "{modes:?}"
+            );
+        }
+        for (modes, block, says) in [
+            (&["ReadWriteMany"][..], false, "volumeMode: Block"),
+            (&["ReadOnlyMany"][..], false, "volumeMode: Block"),
+            (&["ReadWriteOnce"][..], true, "ReadWriteOncePod"),
+            (&["ReadOnlyMany"][..], true, "ReadWriteOncePod"),
+            (&["ReadWriteMany"][..], true, "virtualization module"),
+        ] {
+            let err = review_claim(&claim(modes, block), user, &migration()).unwrap_err();
+            assert!(err.contains(says), "{modes:?} block={block}: {err}");
+        }
+        assert!(review_claim(&claim(&["ReadWriteMany"], true), VIRT, &migration()).is_ok());
+        // Filesystem RWX is refused for the virtualization module too.
+        assert!(review_claim(&claim(&["ReadWriteMany"], false), VIRT, &migration()).is_err());
+    }
+
+    #[test]
+    fn user_patterns_are_exact_or_prefixes() {
+        let patterns = vec!["system:serviceaccount:ns:*".to_owned(), "bob".to_owned()];
+        assert!(user_matches("system:serviceaccount:ns:a", &patterns));
+        assert!(user_matches("bob", &patterns));
+        assert!(!user_matches("bobby", &patterns));
+        assert!(!user_matches("system:serviceaccount:other:a", &patterns));
+    }
+}
