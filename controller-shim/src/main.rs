@@ -19,6 +19,7 @@ use controller_shim::exports::ExportServer;
 use controller_shim::ids::valid_cluster_id;
 use controller_shim::kube::webhook::WebhookSettings;
 use controller_shim::kube::{Glue, Settings};
+use controller_shim::metrics::ControllerMetrics;
 use controller_shim::service::Nodes;
 
 #[derive(Debug, Parser)]
@@ -273,9 +274,14 @@ fn serve(args: ServeArgs) -> Result<()> {
             let nodes = glue
                 .as_ref()
                 .map(|g| Arc::new(g.nodes.clone()) as Arc<dyn Nodes>);
-            let result =
-                controller_shim::server::serve(&socket, backend, cluster_id, metrics, nodes, stop)
-                    .await;
+            let mut figures = ControllerMetrics::default();
+            if let Some(glue) = &glue {
+                figures = figures.with_collector(glue.phases.clone());
+            }
+            let result = controller_shim::server::serve(
+                &socket, backend, cluster_id, metrics, figures, nodes, stop,
+            )
+            .await;
             drop(glue);
             for task in background {
                 task.abort();

@@ -1,5 +1,6 @@
 //! Prometheus metrics of the controller, served on `--metrics-address` (off by default):
-//! CSI calls by method and gRPC code with their latency.
+//! CSI calls by method and gRPC code with their latency, and, in Kubernetes, the phases of
+//! the custom resources.
 
 use csi_proto::metrics::CallMetrics;
 use prometheus_client::registry::Registry;
@@ -19,6 +20,15 @@ impl Default for ControllerMetrics {
 }
 
 impl ControllerMetrics {
+    /// Adds figures gathered at each scrape (the glue's resource phases).
+    pub fn with_collector(
+        mut self,
+        collector: impl prometheus_client::collector::Collector,
+    ) -> Self {
+        self.registry.register_collector(Box::new(collector));
+        self
+    }
+
     pub fn render(&self) -> String {
         csi_proto::metrics::render(&self.registry)
     }

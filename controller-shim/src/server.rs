@@ -21,11 +21,12 @@ pub async fn serve(
     backend: Arc<dyn Backend>,
     cluster_id: String,
     metrics_listener: Option<tokio::net::TcpListener>,
+    metrics: ControllerMetrics,
     nodes: Option<Arc<dyn crate::service::Nodes>>,
     stop: impl std::future::Future<Output = ()>,
 ) -> Result<()> {
     let listener = csi_proto::socket::bind(socket).context("the CSI socket")?;
-    let metrics = Arc::new(ControllerMetrics::default());
+    let metrics = Arc::new(metrics);
     let metrics_server = metrics_listener.map(|listener| {
         let served = Arc::clone(&metrics);
         let addr = listener.local_addr().ok();

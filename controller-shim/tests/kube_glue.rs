@@ -422,6 +422,7 @@ async fn serve_csi(
                 backend,
                 "k8s".into(),
                 None,
+                Default::default(),
                 Some(nodes),
                 std::future::pending(),
             )
@@ -433,6 +434,17 @@ async fn serve_csi(
     (
         csi_proto::csi::controller_client::ControllerClient::new(channel),
         server,
+    )
+}
+
+/// A CRD that only serves `kind` (no schema), standing in for another project's.
+fn stand_in_crd(group: &str, version: &str, kind: &str, plural: &str, scope: &str) -> String {
+    format!(
+        "apiVersion: apiextensions.k8s.io/v1\nkind: CustomResourceDefinition\nmetadata:\n  name: {plural}.{group}\n\
+         spec:\n  group: {group}\n  names:\n    kind: {kind}\n    plural: {plural}\n    singular: {singular}\n\
+         \x20 scope: {scope}\n  versions:\n  - name: {version}\n    served: true\n    storage: true\n\
+         \x20   schema:\n      openAPIV3Schema:\n        type: object\n        x-kubernetes-preserve-unknown-fields: true\n",
+        singular = kind.to_ascii_lowercase()
     )
 }
 
@@ -529,6 +541,16 @@ async fn every_manifest_applies_and_the_controller_needs_no_more_than_its_roles(
         );
     }
     install_crds(&cluster);
+    // prometheus-operator's kinds, for deploy/monitoring.yaml.
+    for (kind, plural) in [
+        ("PodMonitor", "podmonitors"),
+        ("PrometheusRule", "prometheusrules"),
+    ] {
+        apply(
+            &cluster,
+            &stand_in_crd("monitoring.coreos.com", "v1", kind, plural, "Namespaced"),
+        );
+    }
     let mut checked = 0;
     for entry in std::fs::read_dir(deploy).unwrap() {
         let path = entry.unwrap().path();
@@ -594,6 +616,27 @@ async fn every_manifest_applies_and_the_controller_needs_no_more_than_its_roles(
         reason_has(s, "Secret d8-csi-mind-ustor/creds")
     })
     .await;
+    // The alerts' metrics exist and say what the resources' phases say.
+    let text = controller_shim::metrics::ControllerMetrics::default()
+        .with_collector(glue.phases.clone())
+        .render();
+    assert!(
+        text.contains(r#"ustor_csi_controller_connection_failed{name="main"} 1"#),
+        "{text}"
+    );
+    assert!(
+        text.contains(r#"ustor_csi_controller_storage_class_failed{name="granted"} 0"#),
+        "{text}"
+    );
+    let rules = std::fs::read_to_string(format!("{deploy}/monitoring.yaml")).unwrap();
+    for word in rules.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+        if word.starts_with("ustor_csi_") {
+            assert!(
+                text.contains(word),
+                "an alert uses {word}, which is not exported"
+            );
+        }
+    }
     eventually(
         "VolumeSnapshotClass created",
         Duration::from_secs(30),

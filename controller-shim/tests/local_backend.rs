@@ -68,6 +68,7 @@ async fn start() -> Controller {
                 Arc::new(backend),
                 "test".into(),
                 Some(metrics_listener),
+                Default::default(),
                 None,
                 std::future::pending(),
             )

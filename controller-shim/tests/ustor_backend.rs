@@ -49,6 +49,7 @@ async fn controller(
                 Arc::new(backend),
                 "test".into(),
                 None,
+                Default::default(),
                 None,
                 std::future::pending(),
             )

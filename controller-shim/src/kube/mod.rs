@@ -6,6 +6,7 @@
 pub mod connection;
 pub mod crd;
 pub mod leader;
+pub mod metrics;
 pub mod nodes;
 pub mod snapshot_class;
 pub mod storage_class;
@@ -107,6 +108,8 @@ pub struct Glue {
     pub nodes: nodes::CsiNodes,
     /// The connections, for the CSI controller's backend.
     pub connections: connection::Directory,
+    /// The resources' phases, for Prometheus.
+    pub phases: metrics::Phases,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
@@ -171,10 +174,20 @@ impl Glue {
             client.clone(),
             Arc::clone(&ctx),
         ));
-        let classes = tokio::spawn(run_storage_classes(client, Arc::clone(&ctx)));
+        let class_controller = storage_class_controller(&client);
+        let phases = metrics::Phases {
+            connections: directory.connections.clone(),
+            classes: class_controller.store(),
+        };
+        let classes = tokio::spawn(run_storage_classes(
+            class_controller,
+            client,
+            Arc::clone(&ctx),
+        ));
         let snapshots = tokio::spawn(snapshot_class::run(ctx, poll));
         Self {
             nodes,
+            phases,
             connections: directory,
             tasks: {
                 tasks.extend([node_watch, connections, classes, snapshots]);
@@ -210,13 +223,24 @@ async fn run_connections(
         .await;
 }
 
-async fn run_storage_classes(client: Client, ctx: Arc<Context>) {
-    let classes: Api<MindUstorStorageClass> = Api::all(client.clone());
-    let owned: Api<StorageClass> = Api::all(client.clone());
+fn storage_class_controller(client: &Client) -> Controller<MindUstorStorageClass> {
+    Controller::new(
+        Api::<MindUstorStorageClass>::all(client.clone()),
+        watcher::Config::default(),
+    )
+    .owns(
+        Api::<StorageClass>::all(client.clone()),
+        watcher::Config::default(),
+    )
+    .trigger_backoff(watch_backoff())
+}
+
+async fn run_storage_classes(
+    controller: Controller<MindUstorStorageClass>,
+    client: Client,
+    ctx: Arc<Context>,
+) {
     let connections: Api<MindUstorStorageConnection> = Api::all(client);
-    let controller = Controller::new(classes, watcher::Config::default())
-        .owns(owned, watcher::Config::default())
-        .trigger_backoff(watch_backoff());
     // A connection created (or changed) after the classes that name it: look at them now,
     // not at the next retry.
     let known = controller.store();
