@@ -994,6 +994,14 @@ async fn volumes_of_two_connections_live_on_their_own_ustor_clusters() {
         .into_inner();
     assert!(published.publish_context["nbdUri"].starts_with("nbd://"));
 
+    // Deleting a MindUstorStorageClass never touches its volumes.
+    classes
+        .delete("sc-alpha", &DeleteParams::default())
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(alpha.images(), ["data/k8s-pvc-sc-alpha"]);
+
     // An id of the single-cluster controller (no connection) is the oldest connection's.
     let legacy = ids[0].replace("alpha/", "");
     csi.validate_volume_capabilities(ValidateVolumeCapabilitiesRequest {
