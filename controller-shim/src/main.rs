@@ -19,11 +19,15 @@ use controller_shim::exports::ExportServer;
 use controller_shim::ids::valid_cluster_id;
 use controller_shim::kube::webhook::WebhookSettings;
 use controller_shim::kube::{Glue, Settings};
-use controller_shim::metrics::ControllerMetrics;
+use controller_shim::metrics::{ControllerMetrics, LoginStates};
 use controller_shim::service::Nodes;
 
 #[derive(Debug, Parser)]
-#[command(version, about = "ustor-nbd CSI controller")]
+#[command(
+    name = "ustor-csi-controller",
+    version,
+    about = "ustor-nbd CSI controller"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -40,6 +44,9 @@ enum Command {
     Serve(Box<ServeArgs>),
     /// Print the CustomResourceDefinitions (the content of deploy/crds.yaml).
     Crds,
+    /// Print the manual page (roff), as the packages install it.
+    #[command(hide = true)]
+    Manpage,
 }
 
 #[derive(Debug, Args)]
@@ -128,6 +135,13 @@ fn main() -> Result<()> {
             Ok(())
         }
         Command::Serve(args) => serve(*args),
+        Command::Manpage => {
+            use clap::CommandFactory;
+            clap_mangen::Man::new(Cli::command())
+                .section("8")
+                .render(&mut std::io::stdout())?;
+            Ok(())
+        }
     }
 }
 
@@ -192,6 +206,7 @@ fn serve(args: ServeArgs) -> Result<()> {
                 }
                 tracing::info!("stopping");
             };
+            let mut figures = ControllerMetrics::default();
             let glue = if kubernetes {
                 let client = kube::Client::try_default()
                     .await
@@ -203,6 +218,7 @@ fn serve(args: ServeArgs) -> Result<()> {
                         allow_insecure_http: ustor_allow_insecure_http,
                         election,
                         webhook,
+                        backend_metrics: Some(Arc::clone(&figures.backend)),
                         ..Settings::default()
                     },
                 ))
@@ -242,13 +258,20 @@ fn serve(args: ServeArgs) -> Result<()> {
                     let url = ustor_url.unwrap_or_default();
                     check_ustor_url(&url, ustor_allow_insecure_http)?;
                     let ca = ustor_ca.map(std::fs::read).transpose()?;
-                    let api = Arc::new(UstorApi::new(
-                        &url,
-                        ca.as_deref(),
-                        Arc::new(CredentialsDir::new(&ustor_credentials)),
-                        Timing::default(),
-                        Arc::new(Instant::now),
-                    )?);
+                    let api = Arc::new(
+                        UstorApi::new(
+                            &url,
+                            ca.as_deref(),
+                            Arc::new(CredentialsDir::new(&ustor_credentials)),
+                            Timing::default(),
+                            Arc::new(Instant::now),
+                        )?
+                        .with_metrics(Arc::clone(&figures.backend), "default"),
+                    );
+                    let watched = Arc::clone(&api);
+                    figures = figures.with_collector(LoginStates(Box::new(move || {
+                        vec![("default".to_owned(), watched.login_state().as_str())]
+                    })));
                     // The hourly login (uStor locks users idle for 45 days), and the retry of a
                     // refused one once its pause is over, even when no volume is created.
                     let keepalive = Arc::clone(&api);
@@ -274,9 +297,11 @@ fn serve(args: ServeArgs) -> Result<()> {
             let nodes = glue
                 .as_ref()
                 .map(|g| Arc::new(g.nodes.clone()) as Arc<dyn Nodes>);
-            let mut figures = ControllerMetrics::default();
             if let Some(glue) = &glue {
-                figures = figures.with_collector(glue.phases.clone());
+                let sessions = Arc::clone(&glue.connections.sessions);
+                figures = figures
+                    .with_collector(glue.phases.clone())
+                    .with_collector(LoginStates(Box::new(move || sessions.login_states())));
             }
             let result = controller_shim::server::serve(
                 &socket, backend, cluster_id, metrics, figures, nodes, stop,

@@ -2,20 +2,91 @@
 //! CSI calls by method and gRPC code with their latency, and, in Kubernetes, the phases of
 //! the custom resources.
 
+use std::sync::Arc;
+
 use csi_proto::metrics::CallMetrics;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 
 #[derive(Debug)]
 pub struct ControllerMetrics {
     registry: Registry,
     pub calls: CallMetrics,
+    pub backend: Arc<BackendMetrics>,
 }
 
 impl Default for ControllerMetrics {
     fn default() -> Self {
         let mut registry = Registry::with_prefix("ustor_csi_controller");
         let calls = CallMetrics::register(&mut registry);
-        Self { registry, calls }
+        let backend = Arc::new(BackendMetrics::default());
+        registry.register(
+            "backend_requests",
+            "uStor management API requests by connection, method and outcome (the gRPC code)",
+            backend.requests.clone(),
+        );
+        Self {
+            registry,
+            calls,
+            backend,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BackendLabels {
+    pub connection: String,
+    pub method: String,
+    pub outcome: String,
+}
+
+/// Requests to the storage's management API.
+#[derive(Debug, Default)]
+pub struct BackendMetrics {
+    requests: Family<BackendLabels, Counter>,
+}
+
+impl BackendMetrics {
+    pub fn count(&self, connection: &str, method: &str, outcome: String) {
+        self.requests
+            .get_or_create(&BackendLabels {
+                connection: connection.to_owned(),
+                method: method.to_owned(),
+                outcome,
+            })
+            .inc();
+    }
+}
+
+/// The login state of each management API client, at scrape time.
+pub struct LoginStates(pub Box<dyn Fn() -> Vec<(String, &'static str)> + Send + Sync>);
+
+impl std::fmt::Debug for LoginStates {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LoginStates")
+    }
+}
+
+impl prometheus_client::collector::Collector for LoginStates {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder,
+    ) -> Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::EncodeMetric;
+        let mut family = encoder.encode_descriptor(
+            "login_state",
+            "1 for the state of each connection's last uStor login (LoggedIn, NotTried, or uStor's refusal)",
+            None,
+            prometheus_client::metrics::MetricType::Gauge,
+        )?;
+        for (connection, state) in (self.0)() {
+            let labels = [("connection", connection), ("state", state.to_owned())];
+            prometheus_client::metrics::gauge::ConstGauge::new(1i64)
+                .encode(family.encode_family(&labels)?)?;
+        }
+        Ok(())
     }
 }
 

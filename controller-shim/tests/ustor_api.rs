@@ -194,3 +194,53 @@ async fn api_errors_map_to_csi_codes_and_tokens_are_renewed() {
         .unwrap();
     assert!(gone.is_none(), "204 has no body");
 }
+
+#[tokio::test]
+async fn requests_are_counted_by_outcome_and_the_login_state_is_exported() {
+    use controller_shim::backend::ustor::api::LoginState;
+    use controller_shim::metrics::{ControllerMetrics, LoginStates};
+
+    let server = FakeUstor::start().await.unwrap();
+    server.set_user("csi", "pw", None);
+    let dir = tempfile::tempdir().unwrap();
+    secret(dir.path(), "csi", "pw");
+    let figures = ControllerMetrics::default();
+    let api = Arc::new(
+        client(&server.url(), dir.path(), &TestClock::new())
+            .with_metrics(Arc::clone(&figures.backend), "main"),
+    );
+    assert_eq!(api.login_state(), LoginState::NotTried);
+    api.call::<Value, Value>(Method::GET, "/api/v1/pools/data", None)
+        .await
+        .unwrap();
+    let missing = api
+        .call::<Value, Value>(Method::GET, "/api/v1/pools/data/images/none", None)
+        .await
+        .unwrap_err();
+    assert_eq!(missing.code(), Code::NotFound);
+    assert_eq!(api.login_state(), LoginState::LoggedIn);
+    let watched = Arc::clone(&api);
+    let text = figures
+        .with_collector(LoginStates(Box::new(move || {
+            vec![("main".to_owned(), watched.login_state().as_str())]
+        })))
+        .render();
+    for line in [
+        r#"ustor_csi_controller_backend_requests_total{connection="main",method="GET",outcome="Ok"} 1"#,
+        r#"ustor_csi_controller_backend_requests_total{connection="main",method="GET",outcome="NotFound"} 1"#,
+        r#"ustor_csi_controller_login_state{connection="main",state="LoggedIn"} 1"#,
+    ] {
+        assert!(text.contains(line), "{line} missing from:\n{text}");
+    }
+
+    // A refused login shows uStor's reason.
+    server.set_user("csi", "pw", Some("PasswordExpired"));
+    server.expire_tokens();
+    api.call::<Value, Value>(Method::GET, "/api/v1/pools/data", None)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        api.login_state(),
+        LoginState::Refused(controller_shim::backend::ustor::login::Refusal::PasswordExpired)
+    );
+}

@@ -57,6 +57,14 @@ impl Sessions {
         self.lock().get(connection).cloned()
     }
 
+    /// Each connection's login state, for metrics.
+    pub fn login_states(&self) -> Vec<(String, &'static str)> {
+        self.lock()
+            .iter()
+            .map(|(name, s)| (name.clone(), s.api.login_state().as_str()))
+            .collect()
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Session>>> {
         self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -324,7 +332,7 @@ fn session_for(
         .to_ascii_lowercase()
         .starts_with("https://")
         .then_some(ca);
-    let api = UstorApi::new(
+    let mut api = UstorApi::new(
         address,
         ca_pem,
         Arc::clone(&credentials) as _,
@@ -332,6 +340,9 @@ fn session_for(
         Arc::new(Instant::now),
     )
     .map_err(|e| format!("ca.crt of the TLS Secret: {e}"))?;
+    if let Some(metrics) = &ctx.settings.backend_metrics {
+        api = api.with_metrics(Arc::clone(metrics), name);
+    }
     let session = Arc::new(Session {
         api: Arc::new(api),
         credentials,

@@ -84,6 +84,8 @@ pub struct Settings {
     pub election: Option<String>,
     /// Serve the admission webhook (every replica serves it).
     pub webhook: Option<webhook::WebhookSettings>,
+    /// Where the connections' management API requests are counted.
+    pub backend_metrics: Option<Arc<crate::metrics::BackendMetrics>>,
 }
 
 /// The namespace of the guide.
@@ -98,6 +100,7 @@ impl Default for Settings {
             login_timing: Default::default(),
             election: None,
             webhook: None,
+            backend_metrics: None,
         }
     }
 }

@@ -46,6 +46,28 @@ pub struct UstorApi {
     credentials: Arc<dyn CredentialSource>,
     session: Mutex<Session>,
     clock: Clock,
+    /// The last login's outcome, readable without waiting (metrics scrapes).
+    login_state: std::sync::Mutex<LoginState>,
+    /// Where requests are counted, and the connection they are counted under.
+    metrics: Option<(Arc<crate::metrics::BackendMetrics>, String)>,
+}
+
+/// What the last login attempt gave.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoginState {
+    NotTried,
+    LoggedIn,
+    Refused(Refusal),
+}
+
+impl LoginState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LoginState::NotTried => "NotTried",
+            LoginState::LoggedIn => "LoggedIn",
+            LoginState::Refused(r) => r.as_str(),
+        }
+    }
 }
 
 impl std::fmt::Debug for UstorApi {
@@ -89,7 +111,23 @@ impl UstorApi {
                 token: None,
             }),
             clock,
+            login_state: std::sync::Mutex::new(LoginState::NotTried),
+            metrics: None,
         })
+    }
+
+    /// Counts this client's requests in `metrics` under `connection`.
+    pub fn with_metrics(
+        mut self,
+        metrics: Arc<crate::metrics::BackendMetrics>,
+        connection: &str,
+    ) -> Self {
+        self.metrics = Some((metrics, connection.to_owned()));
+        self
+    }
+
+    pub fn login_state(&self) -> LoginState {
+        *self.login_state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Logs in now if the rules allow it. The outcome is what the connection's Authenticated
@@ -137,6 +175,10 @@ impl UstorApi {
             }
         };
         session.policy.record(now, fingerprint, outcome);
+        *self.login_state.lock().unwrap_or_else(|p| p.into_inner()) = match outcome {
+            Ok(()) => LoginState::LoggedIn,
+            Err(reason) => LoginState::Refused(reason),
+        };
         match outcome {
             Ok(()) => {
                 tracing::info!(user = %credentials.username, "logged in to uStor");
@@ -167,8 +209,26 @@ impl UstorApi {
         self.session.lock().await.policy.refusal()
     }
 
-    /// One API call; logs in first if needed, and once more if the token expired.
+    /// One API call; logs in first if needed, and once more if the token expired. Counted
+    /// by method and outcome (the gRPC code it maps to).
     pub async fn call<T: DeserializeOwned, B: Serialize + ?Sized>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&B>,
+    ) -> Result<Option<T>, ControllerError> {
+        let result = self.call_uncounted(method.clone(), path, body).await;
+        if let Some((metrics, connection)) = &self.metrics {
+            let outcome = match &result {
+                Ok(_) => "Ok".to_owned(),
+                Err(e) => format!("{:?}", e.code()),
+            };
+            metrics.count(connection, method.as_str(), outcome);
+        }
+        result
+    }
+
+    async fn call_uncounted<T: DeserializeOwned, B: Serialize + ?Sized>(
         &self,
         method: Method,
         path: &str,
