@@ -57,7 +57,7 @@ impl Healer {
                 every.tick().await;
                 loop {
                     every.tick().await;
-                    healer.sweep(&node);
+                    let _ = Arc::clone(&healer).sweep_off_runtime(&node).await;
                 }
             })
         };
@@ -78,7 +78,7 @@ impl Healer {
                     Some(Err(e)) => {
                         // Most likely an overrun: events were lost. Look at every device now.
                         tracing::warn!(error = %e, "LINK_DEAD event stream; sweeping every device");
-                        self.sweep(&node);
+                        drop(Arc::clone(&self).sweep_off_runtime(&node));
                     }
                     None => {
                         tracing::error!("LINK_DEAD stream closed; resubscribing");
@@ -91,7 +91,7 @@ impl Healer {
                                 }
                             }
                         };
-                        self.sweep(&node);
+                        drop(Arc::clone(&self).sweep_off_runtime(&node));
                     }
                 }
             }
@@ -120,6 +120,13 @@ impl Healer {
                 Liveness::AllEstablished => {}
             }
         }
+    }
+
+    /// [`sweep`](Self::sweep) on the blocking pool: a scheduler write freezes the device's
+    /// queue, which waits for requests in flight, and those wait for a dead link's heal.
+    fn sweep_off_runtime(self: Arc<Self>, node: &Arc<Node>) -> tokio::task::JoinHandle<()> {
+        let node = Arc::clone(node);
+        tokio::task::spawn_blocking(move || self.sweep(&node))
     }
 
     /// What a missed LINK_DEAD would have told: a journaled connection of a device that the

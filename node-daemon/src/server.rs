@@ -56,7 +56,10 @@ pub async fn run(settings: Settings) -> Result<()> {
     let healing = Arc::clone(&healer).spawn(Arc::clone(&node), events);
     healer.refresh_all(&node);
     let report = recovery::reconcile(&node, report).await?;
-    node.prepare_idle_devices();
+    // Scheduler writes on every idle device take seconds on slow machines (each freezes a
+    // queue): in the background, so readiness does not wait for them.
+    let idle = Arc::clone(&node);
+    tokio::task::spawn_blocking(move || idle.prepare_idle_devices());
     tracing::info!(
         records = report.records,
         finished = report.finished.len(),
