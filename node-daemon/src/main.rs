@@ -9,7 +9,7 @@ use node_daemon::config::{self, FileConfig, Settings};
 use node_daemon::{failpoints, server, status};
 
 #[derive(Debug, Parser)]
-#[command(version, about = "ustor-nbd CSI node service")]
+#[command(name = "ustor-csi-node", version, about = "ustor-nbd CSI node service")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -79,6 +79,9 @@ enum Command {
         #[arg(long)]
         apply: bool,
     },
+    /// Print the manual page (roff), as the packages install it.
+    #[command(hide = true)]
+    Manpage,
 }
 
 fn settings(common: &Common) -> Result<Settings> {
@@ -131,6 +134,17 @@ fn repair(common: &Common, csi_endpoint: Option<String>, apply: bool) -> Result<
 fn init_logging(json: bool) {
     let filter =
         tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    if !json {
+        if let Some(journal) = journal() {
+            use tracing_subscriber::layer::SubscriberExt;
+            use tracing_subscriber::util::SubscriberInitExt;
+            tracing_subscriber::registry()
+                .with(filter)
+                .with(journal)
+                .init();
+            return;
+        }
+    }
     use std::io::IsTerminal;
     let ansi = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
     let builder = tracing_subscriber::fmt()
@@ -142,6 +156,19 @@ fn init_logging(json: bool) {
     } else {
         builder.init();
     }
+}
+
+/// Under systemd (stderr connected to the journal), log through the journal's native protocol:
+/// every span and event field becomes a journal field (`VOLUME_ID`, `DEVICE`, `OP`), so
+/// `journalctl -u ustor-csi-node VOLUME_ID=<id>` shows one volume's whole history.
+fn journal() -> Option<tracing_journald::Layer> {
+    std::env::var_os("JOURNAL_STREAM")?;
+    let layer = tracing_journald::layer().ok()?;
+    Some(
+        layer
+            .with_field_prefix(None)
+            .with_syslog_identifier("ustor-csi-node".into()),
+    )
 }
 
 fn main() -> Result<()> {
@@ -186,6 +213,13 @@ fn main() -> Result<()> {
             csi_endpoint,
             apply,
         } => repair(&common, csi_endpoint, apply),
+        Command::Manpage => {
+            use clap::CommandFactory;
+            clap_mangen::Man::new(Cli::command())
+                .section("8")
+                .render(&mut std::io::stdout())?;
+            Ok(())
+        }
         Command::Status {
             common,
             csi_endpoint,

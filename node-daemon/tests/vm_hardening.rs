@@ -87,6 +87,27 @@ fn device_row<'a>(status: &'a serde_json::Value, volume: &str) -> &'a serde_json
         .unwrap_or_else(|| panic!("no device row for {volume}: {status}"))
 }
 
+/// The fields of one entry in the journal's native protocol: `NAME=value` lines, or `NAME`,
+/// a 64-bit little-endian length and that many bytes of value.
+fn journal_fields(mut data: &[u8]) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    while let Some(end) = data.iter().position(|b| *b == b'=' || *b == b'\n') {
+        let name = String::from_utf8_lossy(&data[..end]).into_owned();
+        let value;
+        if data[end] == b'=' {
+            let stop = data[end..].iter().position(|b| *b == b'\n').unwrap() + end;
+            value = data[end + 1..stop].to_vec();
+            data = &data[stop + 1..];
+        } else {
+            let len = u64::from_le_bytes(data[end + 1..end + 9].try_into().unwrap()) as usize;
+            value = data[end + 9..end + 9 + len].to_vec();
+            data = &data[end + 9 + len + 1..];
+        }
+        out.push((name, String::from_utf8_lossy(&value).into_owned()));
+    }
+    out
+}
+
 /// Arms `point`, makes `stage` hit it, and waits for the daemon to die there.
 async fn crash_stage_at(daemon: &mut NodeDaemon, vol: &Volume, point: &str) {
     let mut armed = daemon.start(Some(point)).await;
@@ -687,24 +708,50 @@ async fn systemd_hears_ready_status_and_watchdog_keep_alives() {
     listener
         .set_read_timeout(Some(Duration::from_secs(10)))
         .unwrap();
+    // The journal's socket, as systemd-journald binds it (the guest runs no journald).
+    std::fs::create_dir_all("/run/systemd/journal").unwrap();
+    let _ = std::fs::remove_file("/run/systemd/journal/socket");
+    let journal = UnixDatagram::bind("/run/systemd/journal/socket").unwrap();
+    journal
+        .set_read_timeout(Some(Duration::from_millis(100)))
+        .unwrap();
+    // Read all along, as journald does: a full queue would block the daemon's logging.
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reader = {
+        let done = std::sync::Arc::clone(&done);
+        std::thread::spawn(move || {
+            let mut entries = Vec::new();
+            let mut entry = vec![0u8; 65536];
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                if let Ok(n) = journal.recv(&mut entry) {
+                    entries.push(journal_fields(&entry[..n]));
+                }
+            }
+            entries
+        })
+    };
     daemon.env = vec![
         ("NOTIFY_SOCKET".into(), socket.display().to_string()),
         ("WATCHDOG_USEC".into(), "1000000".into()),
+        ("JOURNAL_STREAM".into(), "8:1234".into()),
     ];
     let mut c = daemon.start(None).await;
+    // READY=1 comes once recovery is done, before any volume of this test is attached.
+    let mut buf = [0u8; 4096];
+    let n = listener.recv(&mut buf).unwrap();
+    let mut messages = vec![String::from_utf8_lossy(&buf[..n]).into_owned()];
     let vol = Volume::new(&daemon, "notified", 16 * MIB, block());
     vol.up(&mut c).await;
-    let mut messages = Vec::new();
-    let mut buf = [0u8; 4096];
     let started = Instant::now();
     while started.elapsed() < Duration::from_secs(3) {
         let n = listener.recv(&mut buf).unwrap();
         messages.push(String::from_utf8_lossy(&buf[..n]).into_owned());
     }
-    assert!(
-        messages[0].contains("READY=1") && messages[0].contains("0 volume(s) attached"),
-        "{messages:?}"
-    );
+    if !(messages[0].contains("READY=1") && messages[0].contains("0 volume(s) attached")) {
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        let entries = reader.join().unwrap();
+        panic!("{messages:?}; journal: {entries:?}");
+    }
     let keep_alives = messages.iter().filter(|m| m.contains("WATCHDOG=1")).count();
     assert!(keep_alives >= 3, "every half second: {messages:?}");
     assert!(
@@ -740,6 +787,21 @@ async fn systemd_hears_ready_status_and_watchdog_keep_alives() {
     )
     .unwrap();
     vol.down(&mut c).await;
+    // Log entries reached the journal with the volume id as a field of their own.
+    daemon.kill();
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    let entries = reader.join().unwrap();
+    std::fs::remove_file("/run/systemd/journal/socket").unwrap();
+    let field = |e: &Vec<(String, String)>, name: &str| {
+        e.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone())
+    };
+    assert!(
+        entries.iter().any(|e| {
+            field(e, "VOLUME_ID").as_deref() == Some("notified")
+                && field(e, "SYSLOG_IDENTIFIER").as_deref() == Some("ustor-csi-node")
+        }),
+        "no journal entry carries VOLUME_ID=notified: {entries:?}"
+    );
     assert_clean(&daemon);
 }
 
