@@ -97,24 +97,27 @@ pub const MAX_IMAGE: usize = MAX_ID - "ustor:snapshot:".len() - MAX_CONNECTION -
 
 /// Checks the name of the MindUstorStorageConnection a volume id will carry.
 pub fn valid_connection(name: &str) -> Result<(), ControllerError> {
-    if name.len() <= MAX_CONNECTION && valid_image(name).is_ok() {
-        Ok(())
-    } else {
-        Err(ControllerError::invalid(format!(
-            "connection name {name:?} must be 1-{MAX_CONNECTION} characters of a-z, 0-9, - and . \
-             (volume ids carry it and must stay within 128 bytes)"
-        )))
-    }
+    valid_segment(
+        "connection name",
+        name,
+        MAX_CONNECTION,
+        " (volume ids carry it and must stay within 128 bytes)",
+    )
 }
 
 /// Checks a pool name from a StorageClass: what an image name may be, and short enough that
 /// ids stay within the spec's 128 bytes.
 pub fn valid_pool(pool: &str) -> Result<(), ControllerError> {
-    if pool.len() <= MAX_POOL && valid_image(pool).is_ok() {
+    valid_segment("pool", pool, MAX_POOL, "")
+}
+
+/// A segment of an image key: what an image name may be, at most `max` bytes.
+fn valid_segment(what: &str, value: &str, max: usize, why: &str) -> Result<(), ControllerError> {
+    if value.len() <= max && valid_image(value).is_ok() {
         Ok(())
     } else {
         Err(ControllerError::invalid(format!(
-            "pool {pool:?} must be 1-{MAX_POOL} characters of a-z, 0-9, - and ."
+            "{what} {value:?} must be 1-{max} characters of a-z, 0-9, - and .{why}"
         )))
     }
 }

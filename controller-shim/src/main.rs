@@ -10,7 +10,7 @@ use anyhow::Result;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use controller_shim::backend::connections::ConnectionsBackend;
 use controller_shim::backend::local::LocalBackend;
-use controller_shim::backend::ustor::api::UstorApi;
+use controller_shim::backend::ustor::api::{check_url, UrlRefusal, UstorApi};
 use controller_shim::backend::ustor::backend::UstorBackend;
 use controller_shim::backend::ustor::credentials::CredentialsDir;
 use controller_shim::backend::ustor::login::Timing;
@@ -315,19 +315,16 @@ fn serve(args: ServeArgs) -> Result<()> {
         })
 }
 
-/// The management API carries the uStor password: https only, unless explicitly allowed.
+/// `--ustor-url` by the rule of [`check_url`], with the flag's own words.
 fn check_ustor_url(url: &str, allow_http: bool) -> Result<()> {
-    let lower = url.to_ascii_lowercase();
-    if lower.starts_with("https://") || (allow_http && lower.starts_with("http://")) {
-        return Ok(());
-    }
-    if lower.starts_with("http://") {
-        anyhow::bail!(
+    match check_url(url, allow_http) {
+        Ok(_) => Ok(()),
+        Err(UrlRefusal::PlainHttp) => anyhow::bail!(
             "--ustor-url {url} is plain http: the uStor password would cross the network in clear text; \
              use https, or --ustor-allow-insecure-http for a test setup"
-        );
+        ),
+        Err(UrlRefusal::NotHttp) => anyhow::bail!("--ustor-url {url} must be an https:// URL"),
     }
-    anyhow::bail!("--ustor-url {url} must be an https:// URL")
 }
 
 #[cfg(test)]

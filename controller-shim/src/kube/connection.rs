@@ -16,7 +16,7 @@ use kube::{Api, ResourceExt};
 use super::crd::{ConnectionStatus, MindUstorStorageConnection, Phase};
 use super::{Context, GlueError};
 use crate::backend::connections::ConnectionDirectory;
-use crate::backend::ustor::api::UstorApi;
+use crate::backend::ustor::api::{check_url, Scheme, UstorApi};
 use crate::backend::ustor::credentials::{Credentials, SharedCredentials};
 use crate::backend::ustor::login::Refusal;
 use crate::error::ControllerError;
@@ -220,12 +220,13 @@ async fn prepare(
             )));
         }
     }
-    if let Err(reason) = check_address(
+    let scheme = match check_address(
         &spec.control_plane.address,
         ctx.settings.allow_insecure_http,
     ) {
-        return Ok(Err(reason));
-    }
+        Ok(scheme) => scheme,
+        Err(reason) => return Ok(Err(reason)),
+    };
     let ns = &ctx.settings.namespace;
     let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), ns);
     let credentials_secret = secrets
@@ -261,7 +262,13 @@ async fn prepare(
             .and_then(|s| s.metadata.resource_version)
             .unwrap_or_default()
     );
-    let session = match session_for(ctx, &name, &spec.control_plane.address, &tls["ca.crt"]) {
+    let session = match session_for(
+        ctx,
+        &name,
+        &spec.control_plane.address,
+        scheme,
+        &tls["ca.crt"],
+    ) {
         Ok(session) => session,
         Err(reason) => return Ok(Err(reason)),
     };
@@ -303,15 +310,13 @@ async fn login(session: &Session, versions: String) -> Verdict {
     }
 }
 
-/// The management API carries the password: https only, unless explicitly allowed.
-fn check_address(address: &str, allow_http: bool) -> Result<(), String> {
-    let lower = address.to_ascii_lowercase();
-    if lower.starts_with("https://") || (allow_http && lower.starts_with("http://")) {
-        return Ok(());
-    }
-    Err(format!(
-        "controlPlane.address {address:?} must be an https:// URL (the uStor password crosses the network)"
-    ))
+/// `controlPlane.address` by the rule of [`check_url`].
+fn check_address(address: &str, allow_http: bool) -> Result<Scheme, String> {
+    check_url(address, allow_http).map_err(|_| {
+        format!(
+            "controlPlane.address {address:?} must be an https:// URL (the uStor password crosses the network)"
+        )
+    })
 }
 
 /// The connection's session, made anew when its address or CA changed.
@@ -319,6 +324,7 @@ fn session_for(
     ctx: &Context,
     name: &str,
     address: &str,
+    scheme: Scheme,
     ca: &[u8],
 ) -> Result<Arc<Session>, String> {
     let mut sessions = ctx.sessions.lock();
@@ -328,10 +334,7 @@ fn session_for(
         }
     }
     let credentials = Arc::new(SharedCredentials::default());
-    let ca_pem = address
-        .to_ascii_lowercase()
-        .starts_with("https://")
-        .then_some(ca);
+    let ca_pem = (scheme == Scheme::Https).then_some(ca);
     let mut api = UstorApi::new(
         address,
         ca_pem,

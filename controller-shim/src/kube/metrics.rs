@@ -17,34 +17,41 @@ pub struct Phases {
     pub classes: Store<MindUstorStorageClass>,
 }
 
-fn failed(phase: Option<Phase>) -> i64 {
-    i64::from(phase == Some(Phase::Failed))
+/// One gauge family: 1 for each resource in phase Failed, 0 for the others.
+fn encode_failed(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    resources: impl Iterator<Item = (String, Option<Phase>)>,
+) -> Result<(), std::fmt::Error> {
+    let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+    for (resource, phase) in resources {
+        let labels = [("name", resource)];
+        ConstGauge::new(i64::from(phase == Some(Phase::Failed)))
+            .encode(family.encode_family(&labels)?)?;
+    }
+    Ok(())
 }
 
 impl Collector for Phases {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let mut family = encoder.encode_descriptor(
+        encode_failed(
+            &mut encoder,
             "connection_failed",
             "1 while the MindUstorStorageConnection is in phase Failed (see its REASON)",
-            None,
-            MetricType::Gauge,
+            self.connections
+                .state()
+                .into_iter()
+                .map(|c| (c.name_any(), c.status.as_ref().and_then(|s| s.phase))),
         )?;
-        for c in self.connections.state() {
-            let phase = c.status.as_ref().and_then(|s| s.phase);
-            let labels = [("name", c.name_any())];
-            ConstGauge::new(failed(phase)).encode(family.encode_family(&labels)?)?;
-        }
-        let mut family = encoder.encode_descriptor(
+        encode_failed(
+            &mut encoder,
             "storage_class_failed",
             "1 while the MindUstorStorageClass is in phase Failed (see its REASON)",
-            None,
-            MetricType::Gauge,
-        )?;
-        for c in self.classes.state() {
-            let phase = c.status.as_ref().and_then(|s| s.phase);
-            let labels = [("name", c.name_any())];
-            ConstGauge::new(failed(phase)).encode(family.encode_family(&labels)?)?;
-        }
-        Ok(())
+            self.classes
+                .state()
+                .into_iter()
+                .map(|c| (c.name_any(), c.status.as_ref().and_then(|s| s.phase))),
+        )
     }
 }

@@ -211,15 +211,10 @@ async fn run_connections(
     controller
         .watches(secrets, watcher::Config::default(), move |secret| {
             let name = secret.name_any();
-            known
-                .state()
-                .iter()
-                .filter(|c| {
-                    c.spec.control_plane.credentials_secret_name == name
-                        || c.spec.data_plane.tls_secret_name == name
-                })
-                .map(|c| ObjectRef::from_obj(&**c))
-                .collect::<Vec<_>>()
+            referring(&known, |c| {
+                c.spec.control_plane.credentials_secret_name == name
+                    || c.spec.data_plane.tls_secret_name == name
+            })
         })
         .run(connection::reconcile, retry_later, ctx)
         .for_each(|result| log_failure(result, "MindUstorStorageConnection"))
@@ -250,16 +245,28 @@ async fn run_storage_classes(
     controller
         .watches(connections, watcher::Config::default(), move |connection| {
             let name = connection.name_any();
-            known
-                .state()
-                .iter()
-                .filter(|class| class.spec.connection_name == name)
-                .map(|class| ObjectRef::from_obj(&**class))
-                .collect::<Vec<_>>()
+            referring(&known, |class| class.spec.connection_name == name)
         })
         .run(storage_class::reconcile, retry_later, ctx)
         .for_each(|result| log_failure(result, "MindUstorStorageClass"))
         .await;
+}
+
+/// The objects in `store` that `refers` says name a changed object: what a watch of that
+/// object kind triggers.
+fn referring<K>(
+    store: &kube::runtime::reflector::Store<K>,
+    refers: impl Fn(&K) -> bool,
+) -> Vec<ObjectRef<K>>
+where
+    K: kube::Resource<DynamicType = ()> + Clone + 'static,
+{
+    store
+        .state()
+        .iter()
+        .filter(|object| refers(object))
+        .map(|object| ObjectRef::from_obj(&**object))
+        .collect()
 }
 
 /// Pause between retries of the controller's watches. One back-off serves all of its

@@ -13,6 +13,39 @@ use super::credentials::CredentialSource;
 use super::login::{Decision, LoginPolicy, Refusal, Timing};
 use crate::error::ControllerError;
 
+/// How the management API is reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scheme {
+    Https,
+    Http,
+}
+
+/// Why a management API URL is refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UrlRefusal {
+    /// http:// without the explicit permission.
+    PlainHttp,
+    /// Neither https:// nor http://.
+    NotHttp,
+}
+
+/// The management API carries the uStor password: https only, plain http only when
+/// `allow_http` says so (test setups). One rule for the flag and for the connections.
+pub fn check_url(url: &str, allow_http: bool) -> Result<Scheme, UrlRefusal> {
+    let lower = url.to_ascii_lowercase();
+    if lower.starts_with("https://") {
+        Ok(Scheme::Https)
+    } else if lower.starts_with("http://") {
+        if allow_http {
+            Ok(Scheme::Http)
+        } else {
+            Err(UrlRefusal::PlainHttp)
+        }
+    } else {
+        Err(UrlRefusal::NotHttp)
+    }
+}
+
 /// The API's error body.
 #[derive(Debug, Deserialize)]
 struct ErrorBody {
