@@ -158,30 +158,21 @@ async fn wait_phase(
     .await
 }
 
-/// The minimal VolumeSnapshotClass CRD of the external-snapshotter (enough to serve the API).
-const SNAPSHOT_CLASS_CRD: &str = r#"
-apiVersion: apiextensions.k8s.io/v1
-kind: CustomResourceDefinition
-metadata:
-  name: volumesnapshotclasses.snapshot.storage.k8s.io
-  annotations:
-    api-approved.kubernetes.io: "unapproved, the glue tests' stand-in for external-snapshotter's CRD"
-spec:
-  group: snapshot.storage.k8s.io
-  names:
-    kind: VolumeSnapshotClass
-    plural: volumesnapshotclasses
-    singular: volumesnapshotclass
-  scope: Cluster
-  versions:
-  - name: v1
-    served: true
-    storage: true
-    schema:
-      openAPIV3Schema:
-        type: object
-        x-kubernetes-preserve-unknown-fields: true
-"#;
+/// The VolumeSnapshotClass CRD of the external-snapshotter, enough to serve the API (its
+/// group is protected, hence the approval annotation).
+fn snapshot_class_crd() -> String {
+    stand_in_crd(
+        "snapshot.storage.k8s.io",
+        "v1",
+        "VolumeSnapshotClass",
+        "volumesnapshotclasses",
+        "Cluster",
+    )
+    .replace(
+        "metadata:\n",
+        "metadata:\n  annotations:\n    api-approved.kubernetes.io: \"unapproved, the glue tests' stand-in for external-snapshotter's CRD\"\n",
+    )
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "kube: needs the test API server (tests/kube/run)"]
@@ -344,7 +335,7 @@ async fn the_snapshot_class_exists_only_while_the_snapshot_api_is_served() {
     wait_phase(&classes, "one", Phase::Created).await;
 
     // The API appears (a snapshot module is installed): the class follows within seconds.
-    apply(&cluster, SNAPSHOT_CLASS_CRD);
+    apply(&cluster, &snapshot_class_crd());
     let found = eventually(
         "VolumeSnapshotClass csi-mind-ustor",
         Duration::from_secs(60),
@@ -580,7 +571,7 @@ async fn every_manifest_applies_and_the_controller_needs_no_more_than_its_roles(
         &cluster,
         &std::fs::read_to_string(format!("{deploy}/rbac.yaml")).unwrap(),
     );
-    apply(&cluster, SNAPSHOT_CLASS_CRD);
+    apply(&cluster, &snapshot_class_crd());
     let account = client_as(
         &cluster,
         Some("system:serviceaccount:d8-csi-mind-ustor:csi-controller"),
