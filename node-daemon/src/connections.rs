@@ -130,7 +130,9 @@ pub async fn offer_new_connections(
         node.set_tcp(volume, &record.identifier, union(&known, &fresh))?;
     }
     let offered = nbd::attach::reconnect_dialed(&node.nl, &device, &dialed).await;
-    drop(dialed);
+    // Unix sockets the kernel took are kept; every other copy is closed here.
+    node.held
+        .offered(volume, &record.identifier, dialed.sockets);
     let known = node.connections_of(volume);
     node.set_tcp(volume, &record.identifier, still_established(&known))?;
     offered.map_err(NodeError::from)

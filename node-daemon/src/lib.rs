@@ -13,6 +13,7 @@ pub mod connections;
 pub mod error;
 pub mod failpoints;
 pub mod healer;
+pub mod held;
 pub mod ids;
 pub mod journal;
 pub mod locks;

@@ -16,6 +16,7 @@ use nbd::{BackendId, DeviceIndex, NbdUri};
 
 use crate::config::Settings;
 use crate::error::NodeError;
+use crate::held::HeldSockets;
 use crate::journal::Journal;
 use crate::locks::VolumeLocks;
 use crate::metrics::Metrics;
@@ -49,6 +50,8 @@ pub struct Node {
     /// Volumes whose device is being disconnected: the healer must not RECONFIGURE them
     /// (kernels before 6.14 accept a reconnect after DISCONNECT and can then use freed memory).
     detaching: Mutex<HashSet<String>>,
+    /// Copies of the unix-socket connections handed to the kernel (see `held.rs`).
+    pub(crate) held: HeldSockets,
     ready: AtomicBool,
 }
 
@@ -78,6 +81,7 @@ impl Node {
             link_locks: VolumeLocks::default(),
             links: Mutex::default(),
             detaching: Mutex::default(),
+            held: HeldSockets::default(),
             ready: AtomicBool::new(false),
         }
     }
@@ -201,6 +205,7 @@ impl Node {
         records.remove(volume);
         self.metrics.volumes.set(records.len() as i64);
         drop(records);
+        self.held.forget(volume);
         self.set_link(volume, Link::Up);
         lock(&self.links).remove(volume);
         Ok(())

@@ -21,6 +21,7 @@ use tokio_stream::wrappers::UnixListenerStream;
 
 use crate::config::Settings;
 use crate::healer::Healer;
+use crate::held;
 use crate::journal::Journal;
 use crate::node::Node;
 use crate::recovery;
@@ -31,6 +32,8 @@ use crate::service::registration::RegistrationService;
 pub async fn run(settings: Settings) -> Result<()> {
     // Everything this daemon creates (journal, sockets) is for root only.
     nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
+    // Sockets the previous daemon parked in systemd's store, owned from here on.
+    let stored = held::from_systemd();
     let nl = open_netlink().await?;
     let events = LinkDeadEvents::subscribe()
         .await
@@ -52,6 +55,7 @@ pub async fn run(settings: Settings) -> Result<()> {
     // The healer runs before recovery touches any device: a link that died while the daemon
     // was down would otherwise stall recovery's first unmount or read until I/O fails.
     let report = recovery::load(&node)?;
+    take_back_held_sockets(&node, stored);
     let healer = Arc::new(Healer::default());
     let healing = Arc::clone(&healer).spawn(Arc::clone(&node), events);
     healer.refresh_all(&node);
@@ -159,4 +163,24 @@ async fn open_netlink() -> Result<NbdNetlink> {
         }
         other => other.context("opening the nbd netlink family"),
     }
+}
+
+/// The unix-socket connections systemd kept across the restart go back to their volumes
+/// (those of attachments no longer journaled are closed).
+fn take_back_held_sockets(node: &Node, stored: Vec<(std::os::fd::OwnedFd, String)>) {
+    if stored.is_empty() {
+        return;
+    }
+    let offered = stored.len();
+    let identifiers = node
+        .records()
+        .into_iter()
+        .map(|r| (r.volume_id, r.identifier))
+        .collect();
+    let kept = node.held.restore(stored, &identifiers);
+    tracing::info!(
+        offered,
+        kept,
+        "took back the unix-socket connections systemd kept"
+    );
 }

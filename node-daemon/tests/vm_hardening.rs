@@ -807,17 +807,17 @@ async fn systemd_hears_ready_status_and_watchdog_keep_alives() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "vm: needs root and the nbd module"]
-async fn an_expansion_the_connections_cannot_serve_leaves_the_device_as_it_was() {
+async fn a_unix_socket_export_grows_through_held_connections_and_never_beyond_them() {
     let mut daemon = NodeDaemon::new("unserved", CONFIG).unwrap();
     let mut c = daemon.start(None).await;
-    // A unix-socket export: the daemon cannot replace its connections, and nbdkit serves
-    // each connection the size it had at the handshake.
-    let vol = Volume::new(&daemon, "unserved", 64 * MIB, block());
+    // nbdkit serves each connection the size it had at the handshake. Over a unix socket the
+    // daemon replaces a device's connections through the copies it holds of them.
+    let vol = Volume::new(&daemon, "unix-grow", 64 * MIB, ext4()).with_connections(2);
     vol.up(&mut c).await;
+    write_and_check_file(&vol.target, "before", MIB as usize, 30);
     let index = vol.device(&daemon).unwrap();
     vol.resize_backing(96 * MIB);
-    let err = c
-        .node
+    c.node
         .node_expand_volume(expand_request(
             &vol.id,
             &vol.target,
@@ -825,15 +825,45 @@ async fn an_expansion_the_connections_cannot_serve_leaves_the_device_as_it_was()
             (96 * MIB) as i64,
         ))
         .await
+        .unwrap_or_else(|e| panic!("expand over held unix connections: {e:?}"));
+    assert_eq!(Sysfs::default().size_bytes(index).unwrap(), 96 * MIB);
+    let st = nix::sys::statvfs::statvfs(&vol.target).unwrap();
+    assert!(
+        st.blocks() * st.fragment_size() > 80 * MIB,
+        "the filesystem grew: {} bytes",
+        st.blocks() * st.fragment_size()
+    );
+    write_and_check_file(&vol.target, "after", 20 * MIB as usize, 31);
+    assert!(
+        std::fs::read(vol.target.join("before")).unwrap() == testkit::pattern(30, 0, MIB as usize)
+    );
+
+    // A daemon restarted outside systemd has no descriptor store: it cannot replace the
+    // connections, and the device keeps the size they serve.
+    daemon.kill();
+    let mut c = daemon.start(None).await;
+    vol.resize_backing(128 * MIB);
+    let err = c
+        .node
+        .node_expand_volume(expand_request(
+            &vol.id,
+            &vol.target,
+            &vol.staging,
+            (128 * MIB) as i64,
+        ))
+        .await
         .unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{}", err.message());
     assert!(err.message().contains("old size"), "{}", err.message());
     assert_eq!(
         Sysfs::default().size_bytes(index).unwrap(),
-        64 * MIB,
+        96 * MIB,
         "the device never claims space it cannot serve"
     );
-    block_round_trip(&vol, 60 * MIB, 31);
+    assert!(
+        std::fs::read(vol.target.join("after")).unwrap()
+            == testkit::pattern(31, 0, 20 * MIB as usize)
+    );
     vol.down(&mut c).await;
     assert_clean(&daemon);
 }

@@ -468,6 +468,7 @@ async fn rwx_block_is_staged_on_two_nodes_rwx_mount_is_refused() {
         staging: node_b.scratch().join("staging-vm-disk"),
         target: node_b.scratch().join("target-vm-disk"),
         cap: rwx,
+        connections: None,
     };
     std::fs::create_dir_all(&vol_b.staging).unwrap();
     vol_a.up(&mut a).await;

@@ -5,9 +5,10 @@
 //!
 //! The device announces a new size only once its connections can serve it: NBD servers fix an
 //! export's size per connection, so the connections are replaced first (see
-//! `connections.rs`). Where they cannot be (a unix-socket export attached before a restart),
-//! a resize the old connections do not serve is undone, so the device is left as it was and
-//! never claims space whose I/O fails.
+//! `connections.rs`; unix-socket ones through the copies in `held.rs`). Where they cannot be
+//! (a unix-socket export attached before a restart that did not keep systemd's descriptor
+//! store), a resize the old connections do not serve is undone, so the device is left as it
+//! was and never claims space whose I/O fails.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -98,7 +99,9 @@ impl Node {
             return Err(e);
         }
         if current != to_bytes {
-            if !self.connections_of(&record.volume_id).is_empty() {
+            if !self.connections_of(&record.volume_id).is_empty()
+                || self.held.holds_every_slot(&record.volume_id)
+            {
                 self.replace_connections_quiesced(&record, &device, current)
                     .await?;
             }
@@ -121,8 +124,9 @@ impl Node {
             self.end_expansion(&mut record, old)?;
             return Err(NodeError::FailedPrecondition(format!(
                 "the export of volume {} serves its new size only on new connections, and this daemon cannot replace \
-                 the device's existing ones (a unix-socket export attached before a restart); the device keeps its \
-                 old size of {old} bytes: restart the pod to restage the volume",
+                 the device's existing ones (a unix-socket export attached before a restart that did not keep \
+                 systemd's file-descriptor store); the device keeps its old size of {old} bytes: restart the pod \
+                 to restage the volume",
                 record.volume_id
             )));
         }
@@ -230,8 +234,14 @@ impl Node {
         device: &ProvenDevice,
         current: u64,
     ) -> Result<(), NodeError> {
+        // TCP connections are aborted by address; unix ones through the copies held of them.
         let old = self.connections_of(&record.volume_id);
-        let aborted = connections::abort_all(&old)?;
+        let (aborted, old_held) = if old.is_empty() {
+            let names = self.held.shut_down_all(&record.volume_id);
+            (names.len(), names)
+        } else {
+            (connections::abort_all(&old)?, Vec::new())
+        };
         tracing::info!(volume = %record.volume_id, aborted, "replacing connections so the server serves the new size");
         let dev = self.sysfs.dev_path(device.index());
         let until = connections::deadline();
@@ -242,7 +252,9 @@ impl Node {
                 tracing::debug!(error = %e, "reconnect while replacing connections");
             }
             let live = self.connections_of(&record.volume_id);
-            if !old.iter().any(|c| live.contains(c)) {
+            if !old.iter().any(|c| live.contains(c))
+                && !self.held.holds_any(&record.volume_id, &old_held)
+            {
                 let dev = dev.clone();
                 if off_runtime("read", move || Ok(connections::serves_size(&dev, current))).await? {
                     return Ok(());

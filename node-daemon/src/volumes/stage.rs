@@ -287,7 +287,10 @@ impl Node {
                     connections = attached.sockets.len(),
                     "attached"
                 );
-                (attached.device.index(), attached.info.size)
+                let (index, size) = (attached.device.index(), attached.info.size);
+                self.held
+                    .attached(&record.volume_id, &record.identifier, attached.sockets);
+                (index, size)
             }
         };
         fail::fail_point!("stage-after-connect");

@@ -28,6 +28,8 @@ pub struct Volume {
     pub staging: PathBuf,
     pub target: PathBuf,
     pub cap: VolumeCapability,
+    /// `nbdConnections` in the volume context, when not the default of one.
+    pub connections: Option<u8>,
 }
 
 impl Volume {
@@ -83,7 +85,25 @@ impl Volume {
             staging,
             target,
             cap,
+            connections: None,
         }
+    }
+
+    /// The export is attached with `n` connections.
+    pub fn with_connections(mut self, n: u8) -> Self {
+        self.connections = Some(n);
+        self
+    }
+
+    fn with_context<R>(
+        &self,
+        mut req: R,
+        context: impl FnOnce(&mut R) -> &mut std::collections::HashMap<String, String>,
+    ) -> R {
+        if let Some(n) = self.connections {
+            context(&mut req).insert("nbdConnections".into(), n.to_string());
+        }
+        req
     }
 
     pub fn uri(&self) -> String {
@@ -91,27 +111,24 @@ impl Volume {
     }
 
     pub async fn stage(&self, c: &mut NodeClients) -> Result<(), tonic::Status> {
+        let req = stage_request(&self.id, &self.staging, self.cap.clone(), &self.uri());
         c.node
-            .node_stage_volume(stage_request(
-                &self.id,
-                &self.staging,
-                self.cap.clone(),
-                &self.uri(),
-            ))
+            .node_stage_volume(self.with_context(req, |r| &mut r.volume_context))
             .await
             .map(drop)
     }
 
     pub async fn publish(&self, c: &mut NodeClients) -> Result<(), tonic::Status> {
+        let req = publish_request(
+            &self.id,
+            &self.staging,
+            &self.target,
+            self.cap.clone(),
+            &self.uri(),
+            false,
+        );
         c.node
-            .node_publish_volume(publish_request(
-                &self.id,
-                &self.staging,
-                &self.target,
-                self.cap.clone(),
-                &self.uri(),
-                false,
-            ))
+            .node_publish_volume(self.with_context(req, |r| &mut r.volume_context))
             .await
             .map(drop)
     }
