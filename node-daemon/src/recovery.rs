@@ -174,6 +174,12 @@ async fn recover_one(
                 record.phase
             ));
         }
+        Phase::Expanding { .. } if node.proven_device(&record)?.is_none() => {
+            report.waiting.push(format!(
+                "{volume}: expanding, but no device carries {} (node rebooted?); NodeStage will attach it again and finish the expansion",
+                record.identifier
+            ));
+        }
         Phase::Expanding { to_bytes } => {
             node.run_expand(record).await?;
             report

@@ -313,6 +313,51 @@ async fn a_device_lost_mid_stage_is_attached_again() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "vm: needs root and the nbd module"]
+async fn an_expansion_cut_short_by_a_reboot_is_finished_by_the_next_stage() {
+    let mut daemon = NodeDaemon::new("reboot-grow", CONFIG).unwrap();
+    let vol = Volume::new_on(&daemon, "reboot-grow", 64 * MIB, ext4(), Listen::Tcp);
+    let mut c = daemon.start(None).await;
+    vol.up(&mut c).await;
+    write_and_check_file(&vol.target, "data", MIB as usize, 40);
+    vol.resize_backing(96 * MIB);
+    daemon.kill();
+    let mut armed = daemon.start(Some("expand-after-resize")).await;
+    armed
+        .node
+        .node_expand_volume(expand_request(
+            &vol.id,
+            &vol.target,
+            &vol.staging,
+            (96 * MIB) as i64,
+        ))
+        .await
+        .expect_err("the daemon dies between resize and grow");
+    assert!(daemon
+        .wait_exit(Duration::from_secs(30))
+        .is_some_and(|s| !s.success()));
+    // The node "reboots": mounts and device are gone; the journal says Expanding.
+    for path in [&vol.target, &vol.staging] {
+        while mounts::ops::unmount(path).unwrap() {}
+    }
+    disconnect_behind_the_back(&vol, &daemon).await;
+    let mut c = daemon.start(None).await;
+    // kubelet stages and publishes again: attached anew, and the filesystem grown.
+    vol.up(&mut c).await;
+    let st = nix::sys::statvfs::statvfs(&vol.target).unwrap();
+    assert!(
+        st.blocks() * st.fragment_size() > 80 * MIB,
+        "the interrupted expansion was finished: {} bytes",
+        st.blocks() * st.fragment_size()
+    );
+    assert!(
+        std::fs::read(vol.target.join("data")).unwrap() == testkit::pattern(40, 0, MIB as usize)
+    );
+    vol.down(&mut c).await;
+    assert_clean(&daemon);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
 async fn publish_mounts_a_lost_staging_mount_and_unstage_forgets_stale_targets() {
     let mut daemon = NodeDaemon::new("paths", CONFIG).unwrap();
     let mut c = daemon.start(None).await;

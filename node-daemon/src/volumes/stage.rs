@@ -208,15 +208,20 @@ impl Node {
 
     /// Drives a record to `Staged`, one journaled step at a time.
     pub(crate) async fn run_stage(&self, mut record: Record) -> Result<(), NodeError> {
+        // An expansion whose device was lost (a reboot) is finished once staged again.
+        let mut grow_to = None;
         for _ in 0..MAX_STEPS {
             if matches!(
                 record.phase,
-                Phase::Attached | Phase::Formatting | Phase::Mounting
+                Phase::Attached | Phase::Formatting | Phase::Mounting | Phase::Expanding { .. }
             ) && self.proven_device(&record)?.is_none()
             {
                 // Node rebooted or the kernel dropped the device mid-stage: attach again, then
                 // probe what the volume holds as if for the first time.
                 tracing::warn!(volume = %record.volume_id, phase = ?record.phase, "device lost mid-stage; attaching again");
+                if let Phase::Expanding { to_bytes } = record.phase {
+                    grow_to = Some(to_bytes);
+                }
                 record.device = None;
                 record.phase = Phase::Attaching;
                 self.save(&record)?;
@@ -228,8 +233,11 @@ impl Node {
                 Phase::Mounting => self.step_mount(&record).await?,
                 Phase::Expanding { .. } => return self.run_expand(record).await.map(drop),
                 Phase::Staged => match self.check_staged(&mut record)? {
-                    None => return Ok(()),
                     Some(repair) => repair,
+                    None => match grow_to.take() {
+                        Some(to_bytes) => Phase::Expanding { to_bytes },
+                        None => return Ok(()),
+                    },
                 },
                 Phase::Unstaging => {
                     return Err(NodeError::Unavailable(format!(
