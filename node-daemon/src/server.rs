@@ -110,12 +110,13 @@ pub async fn run(settings: Settings) -> Result<()> {
 
     crate::systemd::ready(&node);
     let watchdog = crate::systemd::spawn_watchdog(Arc::clone(&node));
+    let status = crate::systemd::spawn_status(Arc::clone(&node));
 
     wait_for_signal().await?;
     tracing::info!("stopping; attached devices stay attached");
     crate::systemd::stopping();
-    if let Some(w) = watchdog {
-        w.abort();
+    for task in [watchdog, status].into_iter().flatten() {
+        task.abort();
     }
     let _ = stop_tx.send(true);
     healing.abort();

@@ -1,5 +1,5 @@
 //! systemd integration (`Type=notify`): READY=1 once recovery is done and the CSI socket
-//! serves, STATUS= lines with the volume counts, and a watchdog keep-alive sent only when the
+//! serves, STATUS= lines with the volume counts kept current, and a watchdog keep-alive sent only when the
 //! daemon proves it still works. Outside systemd (no NOTIFY_SOCKET) every call is a no-op.
 
 use std::sync::Arc;
@@ -28,6 +28,27 @@ fn notify(states: &[NotifyState<'_>]) {
     if let Err(e) = sd_notify::notify(states) {
         tracing::warn!(error = %e, "notifying systemd");
     }
+}
+
+/// How often the STATUS= line is brought up to date (sent only when it changed).
+const STATUS_EVERY: Duration = Duration::from_secs(1);
+
+/// Keeps `systemctl status` current: the volume and link-down counts as they change. `None`
+/// outside systemd.
+pub fn spawn_status(node: Arc<Node>) -> Option<tokio::task::JoinHandle<()>> {
+    std::env::var_os("NOTIFY_SOCKET")?;
+    Some(tokio::spawn(async move {
+        let mut shown = status_line(&node);
+        let mut every = tokio::time::interval(STATUS_EVERY);
+        loop {
+            every.tick().await;
+            let now = status_line(&node);
+            if now != shown {
+                notify(&[NotifyState::Status(&now)]);
+                shown = now;
+            }
+        }
+    }))
 }
 
 /// How long the liveness proof may take before the keep-alive is skipped.
