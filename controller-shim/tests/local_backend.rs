@@ -115,7 +115,11 @@ async fn export_size(uri: &str) -> u64 {
     let uri: nbd::NbdUri = uri.parse().unwrap();
     let started = Instant::now();
     loop {
-        match nbd::dial::dial_one(&uri, Duration::from_secs(5)).await {
+        let opts = nbd::dial::DialOptions {
+            deadline: Duration::from_secs(5),
+            ..Default::default()
+        };
+        match nbd::dial::dial_one(&uri, &opts).await {
             Ok((info, _)) => return info.size,
             Err(e) => assert!(
                 started.elapsed() < Duration::from_secs(10),

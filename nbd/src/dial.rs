@@ -2,6 +2,7 @@
 //! be handed to the kernel.
 
 use std::os::fd::OwnedFd;
+use std::sync::Arc;
 use std::time::Duration;
 
 use socket2::{SockRef, TcpKeepalive};
@@ -9,6 +10,7 @@ use tokio::net::{TcpStream, UnixStream};
 use tokio::task::JoinSet;
 
 use crate::handshake::{self, ExportInfo};
+use crate::tls::TlsFiles;
 use crate::uri::{Endpoint, NbdUri};
 use crate::Error;
 
@@ -23,6 +25,8 @@ pub struct DialOptions {
     pub deadline: Duration,
     /// Connections wanted; more than one only if the export advertises CAN_MULTI_CONN.
     pub connections: u8,
+    /// TLS material for `nbds://` exports (ignored by plaintext ones).
+    pub tls: Option<Arc<TlsFiles>>,
 }
 
 impl Default for DialOptions {
@@ -30,6 +34,7 @@ impl Default for DialOptions {
         Self {
             deadline: Duration::from_secs(10),
             connections: 1,
+            tls: None,
         }
     }
 }
@@ -48,7 +53,7 @@ pub async fn dial(uri: &NbdUri, opts: &DialOptions) -> Result<Dialed, Error> {
     if opts.connections == 0 || opts.connections > MAX_CONNECTIONS {
         return Err(Error::InvalidConnections(opts.connections));
     }
-    let (info, first) = dial_one(uri, opts.deadline).await?;
+    let (info, first) = dial_one(uri, opts).await?;
     let mut sockets = vec![first];
     let wanted = if opts.connections > 1 && !info.multi_conn() {
         tracing::warn!(
@@ -64,8 +69,8 @@ pub async fn dial(uri: &NbdUri, opts: &DialOptions) -> Result<Dialed, Error> {
     let mut rest = JoinSet::new();
     for _ in 1..wanted {
         let uri = uri.clone();
-        let deadline = opts.deadline;
-        rest.spawn(async move { dial_one(&uri, deadline).await });
+        let opts = opts.clone();
+        rest.spawn(async move { dial_one(&uri, &opts).await });
     }
     while let Some(joined) = rest.join_next().await {
         let (other, socket) = joined.map_err(|e| Error::Internal(e.to_string()))??;
@@ -80,8 +85,9 @@ pub async fn dial(uri: &NbdUri, opts: &DialOptions) -> Result<Dialed, Error> {
     Ok(Dialed { info, sockets })
 }
 
-/// One connection: connect and handshake within `deadline`.
-pub async fn dial_one(uri: &NbdUri, deadline: Duration) -> Result<(ExportInfo, OwnedFd), Error> {
+/// One connection: connect and handshake (with TLS for `nbds://`) within `opts.deadline`.
+pub async fn dial_one(uri: &NbdUri, opts: &DialOptions) -> Result<(ExportInfo, OwnedFd), Error> {
+    let deadline = opts.deadline;
     let connect_error = |source: std::io::Error| Error::Connect {
         uri: uri.to_string(),
         source,
@@ -93,8 +99,12 @@ pub async fn dial_one(uri: &NbdUri, deadline: Duration) -> Result<(ExportInfo, O
                     .await
                     .map_err(connect_error)?;
                 tune_tcp(&stream).map_err(connect_error)?;
-                let info = negotiate(uri, &mut stream).await?;
-                (info, stream.into_std().map_err(connect_error)?.into())
+                if uri.tls() {
+                    crate::tls::handshake(uri, host, stream, opts.tls.as_deref()).await?
+                } else {
+                    let info = negotiate(uri, &mut stream).await?;
+                    (info, stream.into_std().map_err(connect_error)?.into())
+                }
             }
             Endpoint::Unix { socket } => {
                 let mut stream = UnixStream::connect(socket).await.map_err(connect_error)?;

@@ -22,6 +22,12 @@ pub enum Error {
         #[source]
         source: HandshakeError,
     },
+    #[error("TLS with {uri}: {source}")]
+    Tls {
+        uri: String,
+        #[source]
+        source: crate::tls::TlsError,
+    },
     #[error("no NBD handshake with {uri} within {deadline:?}")]
     DialTimeout { uri: String, deadline: Duration },
     #[error("export changed between connections: first {first:?}, later {later:?}")]

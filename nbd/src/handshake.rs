@@ -72,8 +72,10 @@ pub enum HandshakeError {
     UnknownExport { export: String, message: String },
     #[error("server refused export {export:?} by policy{}", detail(.message))]
     PolicyRefused { export: String, message: String },
-    #[error("server requires TLS, which the kernel NBD driver cannot carry{}", detail(.message))]
+    #[error("server requires TLS: use an nbds:// URI{}", detail(.message))]
     TlsRequired { message: String },
+    #[error("server refused STARTTLS, and the URI requires TLS (no plaintext fallback){}", detail(.message))]
+    TlsRefused { message: String },
     #[error("server closed the connection after NBD_OPT_EXPORT_NAME: export {export:?} is unknown or refused")]
     ExportNameRejected { export: String },
     #[error("server answered with {name} ({code:#x}){}", detail(.message))]
@@ -100,6 +102,22 @@ pub async fn negotiate<S>(stream: &mut S, export: &str) -> Result<ExportInfo, Ha
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
+    let greeting = greet(stream).await?;
+    select_export(stream, &greeting, export).await
+}
+
+/// What the server's greeting allows for the rest of the handshake.
+#[derive(Debug, Clone, Copy)]
+pub struct Greeting {
+    fixed_newstyle: bool,
+    no_zeroes: bool,
+}
+
+/// Reads the server's greeting and answers with the client flags.
+pub async fn greet<S>(stream: &mut S) -> Result<Greeting, HandshakeError>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
     let magic = read_u64(stream, "server greeting").await?;
     if magic != NBDMAGIC {
         return Err(HandshakeError::BadMagic {
@@ -119,7 +137,8 @@ where
     }
     let server = HandshakeFlags::from_bits_retain(read_u16(stream, "handshake flags").await?);
     let mut client = ClientFlags::empty();
-    if server.contains(HandshakeFlags::FIXED_NEWSTYLE) {
+    let fixed_newstyle = server.contains(HandshakeFlags::FIXED_NEWSTYLE);
+    if fixed_newstyle {
         client |= ClientFlags::FIXED_NEWSTYLE;
     }
     let no_zeroes = server.contains(HandshakeFlags::NO_ZEROES);
@@ -127,10 +146,54 @@ where
         client |= ClientFlags::NO_ZEROES;
     }
     write_all(stream, &client.bits().to_be_bytes(), "client flags").await?;
+    Ok(Greeting {
+        fixed_newstyle,
+        no_zeroes,
+    })
+}
 
+/// `NBD_OPT_STARTTLS`: after an acknowledgement the caller runs the TLS handshake on the same
+/// stream and continues the NBD handshake inside it. A server that refuses is an error: there
+/// is no fallback to plaintext.
+pub async fn start_tls<S>(stream: &mut S, greeting: &Greeting) -> Result<(), HandshakeError>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    if !greeting.fixed_newstyle {
+        return Err(HandshakeError::TlsRefused {
+            message: "the server does not speak fixed newstyle, which STARTTLS needs".into(),
+        });
+    }
+    send_option(stream, opt::STARTTLS, &[]).await?;
+    let reply = read_reply(stream, opt::STARTTLS).await?;
+    match reply.kind {
+        rep::ACK => Ok(()),
+        code if code & rep::FLAG_ERROR != 0 => Err(HandshakeError::TlsRefused {
+            message: format!(
+                "{}{}",
+                rep::error_name(code),
+                detail(String::from_utf8_lossy(&reply.data).trim())
+            ),
+        }),
+        other => Err(HandshakeError::Malformed(format!(
+            "unexpected reply type {other} to NBD_OPT_STARTTLS"
+        ))),
+    }
+}
+
+/// Asks for `export` (NBD_OPT_GO, or EXPORT_NAME from servers without fixed newstyle) and
+/// ends the handshake.
+pub async fn select_export<S>(
+    stream: &mut S,
+    greeting: &Greeting,
+    export: &str,
+) -> Result<ExportInfo, HandshakeError>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
     // Without fixed newstyle the server may drop the connection on any option it does not
     // know, so only the one every newstyle server understands is safe.
-    if server.contains(HandshakeFlags::FIXED_NEWSTYLE) {
+    if greeting.fixed_newstyle {
         match opt_go(stream, export).await? {
             GoOutcome::Ready(info) => return Ok(info),
             GoOutcome::Unsupported => {
@@ -138,7 +201,7 @@ where
             }
         }
     }
-    export_name(stream, export, no_zeroes).await
+    export_name(stream, export, greeting.no_zeroes).await
 }
 
 enum GoOutcome {

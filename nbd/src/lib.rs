@@ -1,7 +1,8 @@
 //! Attaching NBD exports to `/dev/nbdN` by speaking to the kernel directly.
 //!
-//! - [`uri`]: NBD URIs (`nbd://`, `nbd+unix://`).
-//! - [`handshake`] and [`dial`]: the user-space half of the protocol, up to transmission.
+//! - [`uri`]: NBD URIs (`nbd://`, `nbds://`, `nbd+unix://`).
+//! - [`handshake`] and [`dial`]: the user-space half of the protocol, up to transmission;
+//!   [`tls`]: STARTTLS and the handover of a TLS session to the kernel.
 //! - [`netlink`]: the kernel's `nbd` generic-netlink family (CONNECT, DISCONNECT, RECONFIGURE,
 //!   STATUS, LINK_DEAD).
 //! - [`sysfs`]: what `/sys/block/nbdN` says, and the proof that a device is ours.
@@ -16,6 +17,7 @@ pub mod netlink;
 pub mod protocol;
 pub mod sockdiag;
 pub mod sysfs;
+pub mod tls;
 pub mod uri;
 
 pub use error::Error;

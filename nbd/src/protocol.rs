@@ -55,6 +55,7 @@ bitflags! {
 pub mod opt {
     pub const EXPORT_NAME: u32 = 1;
     pub const ABORT: u32 = 2;
+    pub const STARTTLS: u32 = 5;
     pub const GO: u32 = 7;
 }
 

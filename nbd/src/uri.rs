@@ -1,8 +1,9 @@
 //! NBD URIs, as the NBD project specifies them (`doc/uri.md`):
-//! `nbd://host[:port][/export]` and `nbd+unix:///[export]?socket=/path`.
+//! `nbd://host[:port][/export]`, `nbds://…` (TLS required) and `nbd+unix:///[export]?socket=/path`.
 //!
-//! Only what the kernel data path can carry is accepted: TLS (`nbds`) and vsock are refused with
-//! an error that says why, instead of being parsed and failing later at attach time.
+//! Only what the kernel data path can carry is accepted: TLS over a unix socket (`nbds+unix`; the
+//! kernel's TLS is TCP-only) and vsock are refused with an error that says why, instead of being
+//! parsed and failing later at attach time.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -21,10 +22,10 @@ const MAX_EXPORT_NAME: usize = 4096;
 pub enum UriError {
     #[error("not a URI: {0}")]
     Syntax(String),
-    #[error("scheme {0:?} is not an NBD scheme (use nbd:// or nbd+unix://)")]
+    #[error("scheme {0:?} is not an NBD scheme (use nbd://, nbds:// or nbd+unix://)")]
     UnknownScheme(String),
-    #[error("scheme {0:?} needs TLS, which the kernel NBD driver cannot carry")]
-    TlsUnsupported(String),
+    #[error("scheme {0:?}: the kernel's TLS works on TCP only; serve the export with nbds://host or over a unix socket without TLS")]
+    TlsOverUnix(String),
     #[error("scheme {0:?} (vsock) is not supported by this driver")]
     VsockUnsupported(String),
     #[error("nbd:// URI has no host")]
@@ -67,6 +68,8 @@ pub enum Endpoint {
 pub struct NbdUri {
     endpoint: Endpoint,
     export: String,
+    /// `nbds`: STARTTLS is required, never a plaintext fallback.
+    tls: bool,
 }
 
 impl NbdUri {
@@ -77,7 +80,19 @@ impl NbdUri {
                 port,
             },
             export: export.into(),
+            tls: false,
         }
+    }
+
+    /// The same export, reached over TLS (`nbds://`). TCP only.
+    pub fn with_tls(mut self) -> Self {
+        self.tls = matches!(self.endpoint, Endpoint::Tcp { .. });
+        self
+    }
+
+    /// Whether the export must be reached over TLS.
+    pub fn tls(&self) -> bool {
+        self.tls
     }
 
     pub fn unix(socket: impl Into<PathBuf>, export: impl Into<String>) -> Self {
@@ -86,6 +101,7 @@ impl NbdUri {
                 socket: socket.into(),
             },
             export: export.into(),
+            tls: false,
         }
     }
 
@@ -112,13 +128,12 @@ impl FromStr for NbdUri {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let url = url::Url::parse(s).map_err(|e| UriError::Syntax(e.to_string()))?;
         let scheme = url.scheme();
-        let unix = match scheme {
-            "nbd" => false,
-            "nbd+unix" => true,
-            "nbds" | "nbds+unix" | "nbds+vsock" => {
-                return Err(UriError::TlsUnsupported(scheme.into()))
-            }
-            "nbd+vsock" => return Err(UriError::VsockUnsupported(scheme.into())),
+        let (unix, tls) = match scheme {
+            "nbd" => (false, false),
+            "nbds" => (false, true),
+            "nbd+unix" => (true, false),
+            "nbds+unix" => return Err(UriError::TlsOverUnix(scheme.into())),
+            "nbd+vsock" | "nbds+vsock" => return Err(UriError::VsockUnsupported(scheme.into())),
             other => return Err(UriError::UnknownScheme(other.into())),
         };
         if !url.username().is_empty() || url.password().is_some() {
@@ -167,7 +182,11 @@ impl FromStr for NbdUri {
             }
             Endpoint::Tcp { host, port }
         };
-        Ok(Self { endpoint, export })
+        Ok(Self {
+            endpoint,
+            export,
+            tls,
+        })
     }
 }
 
@@ -200,11 +219,12 @@ const EXPORT_ESCAPES: &AsciiSet = &CONTROLS
 impl fmt::Display for NbdUri {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let export = utf8_percent_encode(&self.export, EXPORT_ESCAPES);
+        let scheme = if self.tls { "nbds" } else { "nbd" };
         match &self.endpoint {
             Endpoint::Tcp { host, port } if host.contains(':') => {
-                write!(f, "nbd://[{host}]:{port}/{export}")
+                write!(f, "{scheme}://[{host}]:{port}/{export}")
             }
-            Endpoint::Tcp { host, port } => write!(f, "nbd://{host}:{port}/{export}"),
+            Endpoint::Tcp { host, port } => write!(f, "{scheme}://{host}:{port}/{export}"),
             Endpoint::Unix { socket } => {
                 let socket = utf8_percent_encode(&socket.to_string_lossy(), EXPORT_ESCAPES)
                     .to_string()
@@ -266,6 +286,7 @@ mod tests {
             "nbd://host:10809/a%20b",
             "nbd+unix:///exp?socket=/run/x%26y.sock",
             "nbd://[fe80::1]:10809/",
+            "nbds://host:10809/secure",
         ] {
             let uri = parse(s).unwrap();
             assert_eq!(parse(&uri.to_string()).unwrap(), uri, "{s}");
@@ -273,13 +294,24 @@ mod tests {
     }
 
     #[test]
+    fn nbds_requires_tls_and_keeps_it() {
+        let uri = parse("nbds://storage.example:10900/img").unwrap();
+        assert!(uri.tls());
+        assert_eq!(uri.to_string(), "nbds://storage.example:10900/img");
+        assert!(!parse("nbd://storage.example/img").unwrap().tls());
+        assert!(
+            !NbdUri::unix("/s", "x").with_tls().tls(),
+            "no TLS over unix sockets"
+        );
+    }
+
+    #[test]
     fn refusals_name_the_problem() {
         let cases: &[(&str, UriError)] = &[
             ("http://host/x", UriError::UnknownScheme("http".into())),
-            ("nbds://host/x", UriError::TlsUnsupported("nbds".into())),
             (
                 "nbds+unix:///x?socket=/s",
-                UriError::TlsUnsupported("nbds+unix".into()),
+                UriError::TlsOverUnix("nbds+unix".into()),
             ),
             (
                 "nbd+vsock://2/x",

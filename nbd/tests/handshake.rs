@@ -18,6 +18,7 @@ fn opts(connections: u8) -> DialOptions {
     DialOptions {
         deadline: Duration::from_secs(10),
         connections,
+        tls: None,
     }
 }
 
@@ -167,6 +168,7 @@ async fn silent_peer_hits_the_deadline() {
         &DialOptions {
             deadline: Duration::from_millis(300),
             connections: 1,
+            tls: None,
         },
     )
     .await
