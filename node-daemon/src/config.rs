@@ -34,6 +34,13 @@ pub struct FileConfig {
     pub call_patience_secs: Option<u64>,
     /// `host:port` for `/metrics`; empty disables it.
     pub metrics_address: Option<String>,
+    /// TLS for `nbds://` exports: the CA bundle that signs the servers, and the client
+    /// certificate and key the servers may ask for (read at every connection).
+    pub tls_ca_file: Option<PathBuf>,
+    pub tls_cert_file: Option<PathBuf>,
+    pub tls_key_file: Option<PathBuf>,
+    /// The name servers' certificates carry, when not the URI's host.
+    pub tls_server_name: Option<String>,
 }
 
 impl FileConfig {
@@ -70,6 +77,8 @@ pub struct Settings {
     pub call_patience: Duration,
     /// Where `/metrics` is served; `None` disables it.
     pub metrics_address: Option<std::net::SocketAddr>,
+    /// TLS material for `nbds://` exports; `None` refuses them with a clear error.
+    pub tls: Option<std::sync::Arc<nbd::tls::TlsFiles>>,
 }
 
 impl Settings {
@@ -89,6 +98,7 @@ impl Settings {
                     .parse()
                     .unwrap_or_else(|_| ([127, 0, 0, 1], 9809).into()),
             ),
+            tls: None,
         }
     }
 
@@ -125,6 +135,23 @@ impl Settings {
         }
         if let Some(a) = f.metrics_address {
             self.metrics_address = metrics_address(&a)?;
+        }
+        match (
+            f.tls_ca_file,
+            f.tls_cert_file.is_some() || f.tls_key_file.is_some(),
+        ) {
+            (Some(ca), _) => {
+                self.tls = Some(std::sync::Arc::new(nbd::tls::TlsFiles {
+                    ca,
+                    client_cert: f.tls_cert_file,
+                    client_key: f.tls_key_file,
+                    server_name: f.tls_server_name,
+                }))
+            }
+            (None, true) => anyhow::bail!(
+                "tls-cert-file and tls-key-file need tls-ca-file (the CA that signs the servers)"
+            ),
+            (None, false) => {}
         }
         Ok(())
     }

@@ -1,6 +1,7 @@
 //! The node daemon's error type, and its one mapping to gRPC status codes.
 
 use nbd::handshake::HandshakeError;
+use nbd::tls::TlsError;
 use tonic::{Code, Status};
 
 #[derive(Debug, thiserror::Error)]
@@ -73,10 +74,19 @@ fn nbd_code(e: &nbd::Error) -> Code {
                 Code::NotFound
             }
             HandshakeError::PolicyRefused { .. } => Code::PermissionDenied,
-            HandshakeError::TlsRequired { .. } | HandshakeError::OldStyle => {
-                Code::FailedPrecondition
-            }
+            HandshakeError::TlsRequired { .. }
+            | HandshakeError::TlsRefused { .. }
+            | HandshakeError::OldStyle => Code::FailedPrecondition,
             _ => Code::Unavailable,
+        },
+        // A certificate the other side refuses, missing files or kernel modules: fixed by an
+        // operator, not by retrying. A connection cut mid-handshake may heal by itself.
+        E::Tls { source, .. } => match source {
+            TlsError::Handshake(io) if io.kind() != std::io::ErrorKind::InvalidData => {
+                Code::Unavailable
+            }
+            TlsError::Unexpected(_) => Code::Unavailable,
+            _ => Code::FailedPrecondition,
         },
         // The export's server may come back: the CO retries with back-off.
         E::Connect { .. } | E::DialTimeout { .. } => Code::Unavailable,

@@ -309,6 +309,7 @@ impl Node {
         DialOptions {
             deadline: self.settings.dial_timeout,
             connections: export.connections,
+            tls: self.settings.tls.clone(),
         }
     }
 

@@ -15,20 +15,11 @@ use nbd::sysfs::Sysfs;
 use nbd::BackendId;
 use testkit::csi::*;
 use testkit::daemon::NodeDaemon;
-use testkit::{pattern, DirectFile, Listen};
+use testkit::{kernel_io_errors, pattern, DirectFile, Listen};
 use tonic::Code;
 
 mod common;
 use common::*;
-
-/// Lines of the kernel log that report a failed I/O on an nbd device.
-fn kernel_io_errors() -> usize {
-    let out = std::process::Command::new("dmesg").output().unwrap();
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter(|l| l.contains("nbd") && l.contains("I/O error"))
-        .count()
-}
 
 /// The filesystem UUID of an image file, as blkid reads it.
 fn image_uuid(image: &Path) -> String {

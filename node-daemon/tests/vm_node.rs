@@ -469,6 +469,7 @@ async fn rwx_block_is_staged_on_two_nodes_rwx_mount_is_refused() {
         target: node_b.scratch().join("target-vm-disk"),
         cap: rwx,
         connections: None,
+        tls: false,
     };
     std::fs::create_dir_all(&vol_b.staging).unwrap();
     vol_a.up(&mut a).await;

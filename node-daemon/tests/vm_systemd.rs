@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use csi_proto::csi::volume_capability::access_mode::Mode;
 use csi_proto::csi::{ProbeRequest, VolumeCapability};
 use testkit::csi::*;
-use testkit::pattern;
+use testkit::{kernel_io_errors, pattern};
 
 const UNIT: &str = "ustor-csi-node.service";
 const SOCKET: &str = "/var/lib/kubelet/plugins/ustor-nbd.csi.mindsw.io/csi.sock";
@@ -185,14 +185,6 @@ fn assert_file(name: &str, len: usize, seed: u64) {
         data == pattern(seed, 0, len),
         "{name} does not hold what was written"
     );
-}
-
-fn kernel_io_errors() -> usize {
-    run("dmesg", &[])
-        .1
-        .lines()
-        .filter(|l| l.contains("nbd") && l.contains("I/O error"))
-        .count()
 }
 
 /// Writes and fsyncs files on the volume until stopped; counts each outcome.

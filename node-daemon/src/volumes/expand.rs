@@ -61,7 +61,7 @@ impl Node {
             ))
         })?;
         let (info, _probe_socket) =
-            nbd::dial::dial_one(&export_uri(&export)?, self.settings.dial_timeout).await?;
+            nbd::dial::dial_one(&export_uri(&export)?, &self.dial_options(&export)).await?;
         if let Some(required) = req.required_bytes {
             if info.size < required {
                 return Err(NodeError::FailedPrecondition(format!(

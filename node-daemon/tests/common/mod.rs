@@ -30,6 +30,8 @@ pub struct Volume {
     pub cap: VolumeCapability,
     /// `nbdConnections` in the volume context, when not the default of one.
     pub connections: Option<u8>,
+    /// Served over TLS (`nbds://`).
+    pub tls: bool,
 }
 
 impl Volume {
@@ -46,6 +48,30 @@ impl Volume {
         cap: VolumeCapability,
         listen: Listen,
     ) -> Self {
+        Self::served(daemon, id, size, cap, listen, &[])
+    }
+
+    /// Served over TCP by nbdkit requiring TLS with `pki`'s certificates (`nbds://`).
+    pub fn new_tls(
+        daemon: &NodeDaemon,
+        id: &str,
+        size: u64,
+        cap: VolumeCapability,
+        pki: &testkit::tls::TestPki,
+    ) -> Self {
+        let mut vol = Self::served(daemon, id, size, cap, Listen::Tcp, &pki.nbdkit_args());
+        vol.tls = true;
+        vol
+    }
+
+    fn served(
+        daemon: &NodeDaemon,
+        id: &str,
+        size: u64,
+        cap: VolumeCapability,
+        listen: Listen,
+        server_options: &[String],
+    ) -> Self {
         let root = daemon.scratch();
         let backing = root.join(format!("{id}.img"));
         std::fs::File::create(&backing)
@@ -53,7 +79,9 @@ impl Volume {
             .set_len(size)
             .unwrap();
         let file = format!("file={}", backing.display());
-        let server = NbdServer::nbdkit(listen, &["file", &file]).unwrap();
+        let mut args: Vec<&str> = server_options.iter().map(String::as_str).collect();
+        args.extend(["file", &file]);
+        let server = NbdServer::nbdkit(listen, &args).unwrap();
         let block = matches!(
             cap.access_type,
             Some(csi_proto::csi::volume_capability::AccessType::Block(_))
@@ -86,6 +114,7 @@ impl Volume {
             target,
             cap,
             connections: None,
+            tls: false,
         }
     }
 
@@ -107,7 +136,8 @@ impl Volume {
     }
 
     pub fn uri(&self) -> String {
-        self.server.uri().to_string()
+        let uri = self.server.uri();
+        if self.tls { uri.with_tls() } else { uri }.to_string()
     }
 
     pub async fn stage(&self, c: &mut NodeClients) -> Result<(), tonic::Status> {

@@ -12,6 +12,7 @@ pub mod kube_cluster;
 pub mod placement;
 pub mod proxy;
 mod server;
+pub mod tls;
 
 pub use direct::{pattern, AlignedBuf, DirectFile};
 pub use server::{Listen, NbdServer, ServerKind};
@@ -28,4 +29,16 @@ pub async fn scrape(addr: std::net::SocketAddr) -> String {
     let mut text = String::new();
     s.read_to_string(&mut text).await.expect("response");
     text
+}
+
+/// Lines of the kernel log that report a failed I/O on an nbd device.
+pub fn kernel_io_errors() -> usize {
+    let out = std::process::Command::new("dmesg")
+        .output()
+        .map(|o| o.stdout)
+        .unwrap_or_default();
+    String::from_utf8_lossy(&out)
+        .lines()
+        .filter(|l| l.contains("nbd") && l.contains("I/O error"))
+        .count()
 }

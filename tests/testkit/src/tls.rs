@@ -1,0 +1,103 @@
+//! Certificates made for a test: a CA, a server certificate for loopback signed by it (laid out
+//! as nbdkit's `--tls-certificates` directory wants), and a client certificate.
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+use rcgen::{
+    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    KeyUsagePurpose,
+};
+
+/// A directory of PEM files: `ca-cert.pem`, `server-cert.pem`, `server-key.pem`,
+/// `client-cert.pem`, `client-key.pem`.
+#[derive(Debug)]
+pub struct TestPki {
+    dir: tempfile::TempDir,
+}
+
+fn other(e: impl std::fmt::Display) -> io::Error {
+    io::Error::other(e.to_string())
+}
+
+impl TestPki {
+    /// A CA named `ca_name` and certificates for 127.0.0.1/localhost and a client.
+    pub fn new(ca_name: &str) -> io::Result<Self> {
+        let dir = tempfile::Builder::new().prefix("pki").tempdir()?;
+        let ca_key = KeyPair::generate().map_err(other)?;
+        let mut ca = CertificateParams::new(Vec::<String>::new()).map_err(other)?;
+        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca.distinguished_name.push(DnType::CommonName, ca_name);
+        ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+        let ca_cert = ca.self_signed(&ca_key).map_err(other)?;
+        std::fs::write(dir.path().join("ca-cert.pem"), ca_cert.pem())?;
+        let issuer = Issuer::new(ca, ca_key);
+
+        for (name, sans, usage) in [
+            (
+                "server",
+                vec!["127.0.0.1".to_owned(), "localhost".to_owned()],
+                ExtendedKeyUsagePurpose::ServerAuth,
+            ),
+            (
+                "client",
+                vec!["client".to_owned()],
+                ExtendedKeyUsagePurpose::ClientAuth,
+            ),
+        ] {
+            let key = KeyPair::generate().map_err(other)?;
+            let mut params = CertificateParams::new(sans).map_err(other)?;
+            params.distinguished_name.push(DnType::CommonName, name);
+            params.extended_key_usages = vec![usage];
+            let cert = params.signed_by(&key, &issuer).map_err(other)?;
+            std::fs::write(dir.path().join(format!("{name}-cert.pem")), cert.pem())?;
+            std::fs::write(
+                dir.path().join(format!("{name}-key.pem")),
+                key.serialize_pem(),
+            )?;
+        }
+        Ok(Self { dir })
+    }
+
+    /// The directory for nbdkit's `--tls-certificates`.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    pub fn file(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// nbdkit options that require TLS with these certificates, clients' included.
+    pub fn nbdkit_args(&self) -> [String; 3] {
+        [
+            "--tls=require".to_owned(),
+            format!("--tls-certificates={}", self.dir().display()),
+            "--tls-verify-peer".to_owned(),
+        ]
+    }
+
+    /// Replaces this directory's files with `other`'s (a certificate rotation in place).
+    pub fn replace_with(&self, other: &TestPki) -> io::Result<()> {
+        for name in [
+            "ca-cert.pem",
+            "server-cert.pem",
+            "server-key.pem",
+            "client-cert.pem",
+            "client-key.pem",
+        ] {
+            std::fs::copy(other.file(name), self.file(name))?;
+        }
+        Ok(())
+    }
+
+    /// Node configuration lines (TOML) pointing the daemon at the CA and client files.
+    pub fn node_config(&self) -> String {
+        format!(
+            "tls-ca-file = \"{}\"\ntls-cert-file = \"{}\"\ntls-key-file = \"{}\"\n",
+            self.file("ca-cert.pem").display(),
+            self.file("client-cert.pem").display(),
+            self.file("client-key.pem").display()
+        )
+    }
+}
