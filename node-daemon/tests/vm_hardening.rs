@@ -313,14 +313,7 @@ async fn an_expansion_cut_short_by_a_reboot_is_finished_by_the_next_stage() {
     vol.resize_backing(96 * MIB);
     daemon.kill();
     let mut armed = daemon.start(Some("expand-after-resize")).await;
-    armed
-        .node
-        .node_expand_volume(expand_request(
-            &vol.id,
-            &vol.target,
-            &vol.staging,
-            (96 * MIB) as i64,
-        ))
+    vol.expand(&mut armed, 96 * MIB)
         .await
         .expect_err("the daemon dies between resize and grow");
     assert!(daemon
@@ -334,11 +327,11 @@ async fn an_expansion_cut_short_by_a_reboot_is_finished_by_the_next_stage() {
     let mut c = daemon.start(None).await;
     // kubelet stages and publishes again: attached anew, and the filesystem grown.
     vol.up(&mut c).await;
-    let st = nix::sys::statvfs::statvfs(&vol.target).unwrap();
+    let grown = fs_bytes(&vol.target);
     assert!(
-        st.blocks() * st.fragment_size() > 80 * MIB,
+        grown > 80 * MIB,
         "the interrupted expansion was finished: {} bytes",
-        st.blocks() * st.fragment_size()
+        grown
     );
     assert!(
         std::fs::read(vol.target.join("data")).unwrap() == testkit::pattern(40, 0, MIB as usize)
@@ -853,22 +846,12 @@ async fn a_unix_socket_export_grows_through_held_connections_and_never_beyond_th
     write_and_check_file(&vol.target, "before", MIB as usize, 30);
     let index = vol.device(&daemon).unwrap();
     vol.resize_backing(96 * MIB);
-    c.node
-        .node_expand_volume(expand_request(
-            &vol.id,
-            &vol.target,
-            &vol.staging,
-            (96 * MIB) as i64,
-        ))
+    vol.expand(&mut c, 96 * MIB)
         .await
         .unwrap_or_else(|e| panic!("expand over held unix connections: {e:?}"));
     assert_eq!(Sysfs::default().size_bytes(index).unwrap(), 96 * MIB);
-    let st = nix::sys::statvfs::statvfs(&vol.target).unwrap();
-    assert!(
-        st.blocks() * st.fragment_size() > 80 * MIB,
-        "the filesystem grew: {} bytes",
-        st.blocks() * st.fragment_size()
-    );
+    let grown = fs_bytes(&vol.target);
+    assert!(grown > 80 * MIB, "the filesystem grew: {} bytes", grown);
     write_and_check_file(&vol.target, "after", 20 * MIB as usize, 31);
     assert!(
         std::fs::read(vol.target.join("before")).unwrap() == testkit::pattern(30, 0, MIB as usize)
@@ -879,16 +862,7 @@ async fn a_unix_socket_export_grows_through_held_connections_and_never_beyond_th
     daemon.kill();
     let mut c = daemon.start(None).await;
     vol.resize_backing(128 * MIB);
-    let err = c
-        .node
-        .node_expand_volume(expand_request(
-            &vol.id,
-            &vol.target,
-            &vol.staging,
-            (128 * MIB) as i64,
-        ))
-        .await
-        .unwrap_err();
+    let err = vol.expand(&mut c, 128 * MIB).await.unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{}", err.message());
     assert!(err.message().contains("old size"), "{}", err.message());
     assert_eq!(

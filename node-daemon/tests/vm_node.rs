@@ -278,16 +278,7 @@ async fn call(vol: &Volume, c: &mut NodeClients, which: Call) -> Result<(), toni
     match which {
         Call::Stage => vol.stage(c).await,
         Call::Publish => vol.publish(c).await,
-        Call::Expand => c
-            .node
-            .node_expand_volume(expand_request(
-                &vol.id,
-                &vol.target,
-                &vol.staging,
-                (96 * MIB) as i64,
-            ))
-            .await
-            .map(drop),
+        Call::Expand => vol.expand(c, 96 * MIB).await,
         Call::Unpublish => vol.unpublish(c).await,
         Call::Unstage => vol.unstage(c).await,
     }

@@ -177,6 +177,19 @@ impl Volume {
             .map(drop)
     }
 
+    /// NodeExpandVolume through the published path, to `bytes`.
+    pub async fn expand(&self, c: &mut NodeClients, bytes: u64) -> Result<(), tonic::Status> {
+        c.node
+            .node_expand_volume(expand_request(
+                &self.id,
+                &self.target,
+                &self.staging,
+                bytes as i64,
+            ))
+            .await
+            .map(drop)
+    }
+
     pub async fn up(&self, c: &mut NodeClients) {
         self.stage(c)
             .await
@@ -332,4 +345,10 @@ pub fn sparse_copy(from: &Path, to: &Path) {
         offset = hole;
     }
     dst.sync_all().unwrap();
+}
+
+/// Size of the filesystem mounted at `path`, in bytes.
+pub fn fs_bytes(path: &Path) -> u64 {
+    let st = nix::sys::statvfs::statvfs(path).unwrap();
+    st.blocks() * st.fragment_size()
 }
