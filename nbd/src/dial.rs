@@ -88,6 +88,13 @@ pub async fn dial(uri: &NbdUri, opts: &DialOptions) -> Result<Dialed, Error> {
 /// One connection: connect and handshake (with TLS for `nbds://`) within `opts.deadline`.
 pub async fn dial_one(uri: &NbdUri, opts: &DialOptions) -> Result<(ExportInfo, OwnedFd), Error> {
     let deadline = opts.deadline;
+    if uri.tls() && opts.tls.is_none() {
+        // Said before anything is dialed: no server answer can make up for it.
+        return Err(Error::Tls {
+            uri: uri.to_string(),
+            source: crate::tls::TlsError::NotConfigured,
+        });
+    }
     let connect_error = |source: std::io::Error| Error::Connect {
         uri: uri.to_string(),
         source,

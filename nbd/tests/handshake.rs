@@ -195,3 +195,69 @@ async fn non_nbd_peer_is_refused_by_magic() {
     assert!(matches!(err, HandshakeError::BadMagic { .. }), "{err}");
     peer.await.unwrap();
 }
+
+fn tls_opts(pki: &testkit::tls::TestPki) -> DialOptions {
+    DialOptions {
+        tls: Some(std::sync::Arc::new(nbd::tls::TlsFiles {
+            ca: pki.file("ca-cert.pem"),
+            client_cert: Some(pki.file("client-cert.pem")),
+            client_key: Some(pki.file("client-key.pem")),
+            server_name: None,
+        })),
+        ..opts(1)
+    }
+}
+
+#[tokio::test]
+async fn nbds_without_tls_settings_is_refused_before_dialing() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let uri = NbdUri::tcp("127.0.0.1", listener.local_addr().unwrap().port(), "x").with_tls();
+    let err = dial(&uri, &opts(1)).await.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Tls {
+                source: nbd::tls::TlsError::NotConfigured,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(listener.accept().is_err(), "nothing may be dialed");
+}
+
+#[tokio::test]
+async fn a_server_without_tls_is_never_used_in_plaintext_for_nbds() {
+    let pki = testkit::tls::TestPki::new("test CA").unwrap();
+    let server = NbdServer::nbdkit(Listen::Tcp, &["memory", "1M"]).unwrap();
+    let err = handshake_error(
+        dial(&server.uri().with_tls(), &tls_opts(&pki))
+            .await
+            .unwrap_err(),
+    );
+    assert!(matches!(err, HandshakeError::TlsRefused { .. }), "{err}");
+}
+
+#[tokio::test]
+async fn a_server_certificate_of_another_ca_is_refused() {
+    let ours = testkit::tls::TestPki::new("our CA").unwrap();
+    let theirs = testkit::tls::TestPki::new("their CA").unwrap();
+    let args = theirs.nbdkit_args();
+    let mut argv: Vec<&str> = args.iter().map(String::as_str).collect();
+    argv.extend(["memory", "1M"]);
+    let server = NbdServer::nbdkit(Listen::Tcp, &argv).unwrap();
+    let err = dial(&server.uri().with_tls(), &tls_opts(&ours))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Tls {
+                source: nbd::tls::TlsError::Handshake(_),
+                ..
+            }
+        ) && err.to_string().contains("UnknownIssuer"),
+        "{err}"
+    );
+}

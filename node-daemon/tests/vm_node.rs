@@ -547,8 +547,14 @@ async fn bad_input_gets_the_spec_code_and_changes_nothing() {
     ));
     cases.push((
         "bad nbdUri",
-        stage_request("good", &staging, ext4(), "nbds://host/x"),
+        stage_request("good", &staging, ext4(), "nbds+unix:///x?socket=/s"),
         Code::InvalidArgument,
+    ));
+    // This daemon has no TLS files: refused before anything is dialed.
+    cases.push((
+        "nbds:// without TLS settings",
+        stage_request("good", &staging, ext4(), "nbds://host/x"),
+        Code::FailedPrecondition,
     ));
     let mut r = base();
     r.volume_context.insert("nbdConnection".into(), "2".into());
