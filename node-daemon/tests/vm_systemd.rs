@@ -104,15 +104,30 @@ fn wait_new_main_pid(old: i32, within: Duration) -> i32 {
     }
 }
 
-/// nbdkit serving the export file on the unix socket; it daemonizes once it listens.
+/// nbdkit serving the export file on the unix socket, in a unit of its own that a shutdown
+/// does not stop (DefaultDependencies=no): like a remote server, it outlives the node's
+/// unmounts at reboot, so they can flush.
 fn start_export() {
     let socket = format!("{WORK}/nbd.sock");
     let _ = std::fs::remove_file(&socket);
     let pidfile = format!("{WORK}/nbdkit.pid");
+    let _ = std::fs::remove_file(&pidfile);
     let file = format!("file={}", image().display());
     ok(
-        "nbdkit",
-        &["--unix", &socket, "--pidfile", &pidfile, "file", &file],
+        "systemd-run",
+        &[
+            "--quiet",
+            "--unit=vm-export",
+            "--property=DefaultDependencies=no",
+            "nbdkit",
+            "--foreground",
+            "--unix",
+            &socket,
+            "--pidfile",
+            &pidfile,
+            "file",
+            &file,
+        ],
     );
     let until = Instant::now() + Duration::from_secs(10);
     while !Path::new(&pidfile).exists() {
