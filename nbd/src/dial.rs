@@ -88,13 +88,18 @@ pub async fn dial(uri: &NbdUri, opts: &DialOptions) -> Result<Dialed, Error> {
 /// One connection: connect and handshake (with TLS for `nbds://`) within `opts.deadline`.
 pub async fn dial_one(uri: &NbdUri, opts: &DialOptions) -> Result<(ExportInfo, OwnedFd), Error> {
     let deadline = opts.deadline;
-    if uri.tls() && opts.tls.is_none() {
-        // Said before anything is dialed: no server answer can make up for it.
-        return Err(Error::Tls {
-            uri: uri.to_string(),
-            source: crate::tls::TlsError::NotConfigured,
-        });
-    }
+    // The TLS files an nbds:// export needs, checked before anything is dialed: no server
+    // answer can make up for their absence.
+    let tls = match (uri.tls(), opts.tls.as_deref()) {
+        (true, None) => {
+            return Err(Error::Tls {
+                uri: uri.to_string(),
+                source: crate::tls::TlsError::NotConfigured,
+            })
+        }
+        (true, files) => files,
+        (false, _) => None,
+    };
     let connect_error = |source: std::io::Error| Error::Connect {
         uri: uri.to_string(),
         source,
@@ -106,8 +111,8 @@ pub async fn dial_one(uri: &NbdUri, opts: &DialOptions) -> Result<(ExportInfo, O
                     .await
                     .map_err(connect_error)?;
                 tune_tcp(&stream).map_err(connect_error)?;
-                if uri.tls() {
-                    crate::tls::handshake(uri, host, stream, opts.tls.as_deref()).await?
+                if let Some(files) = tls {
+                    crate::tls::handshake(uri, host, stream, files).await?
                 } else {
                     let info = negotiate(uri, &mut stream).await?;
                     (info, stream.into_std().map_err(connect_error)?.into())

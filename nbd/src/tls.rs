@@ -137,7 +137,7 @@ pub(crate) async fn handshake(
     uri: &NbdUri,
     host: &str,
     mut tcp: TcpStream,
-    files: Option<&TlsFiles>,
+    files: &TlsFiles,
 ) -> Result<(ExportInfo, OwnedFd), Error> {
     let tls_error = |source: TlsError| Error::Tls {
         uri: uri.to_string(),
@@ -147,7 +147,6 @@ pub(crate) async fn handshake(
         uri: uri.to_string(),
         source,
     };
-    let files = files.ok_or(TlsError::NotConfigured).map_err(tls_error)?;
     let config = files.client_config().map_err(tls_error)?;
     let name = files.server_name.clone().unwrap_or_else(|| host.to_owned());
     let server_name =

@@ -28,7 +28,6 @@ struct Held {
     name: String,
 }
 
-#[derive(Default)]
 struct Attachment {
     identifier: String,
     /// How many connections the device has: CONNECT's socket count.
@@ -128,8 +127,9 @@ impl HeldSockets {
         })
     }
 
-    /// How many sockets are held for `volume` (for status and tests).
-    pub fn count(&self, volume: &str) -> usize {
+    /// How many sockets are held for `volume`.
+    #[cfg(test)]
+    fn count(&self, volume: &str) -> usize {
         lock(&self.volumes)
             .get(volume)
             .map_or(0, |att| att.sockets.len())
@@ -298,20 +298,20 @@ mod tests {
         (a.into(), b)
     }
 
-    /// What the kernel does to a socket it takes.
-    fn take(fd: &OwnedFd) {
-        SockRef::from(fd)
+    /// A connected pair whose first socket the kernel took: it gave it a send timeout.
+    fn taken_pair() -> (OwnedFd, UnixStream) {
+        let (fd, peer) = pair();
+        SockRef::from(&fd)
             .set_write_timeout(Some(Duration::from_secs(10)))
             .unwrap();
+        (fd, peer)
     }
 
     #[test]
     fn keeps_only_the_sockets_the_kernel_took_and_drops_them_when_their_slot_dies() {
         let held = HeldSockets::default();
-        let (a, _pa) = pair();
-        let (b, pb) = pair();
-        take(&a);
-        take(&b);
+        let (a, _pa) = taken_pair();
+        let (b, pb) = taken_pair();
         held.attached("v", "id:1", vec![a, b]);
         assert_eq!(held.count("v"), 2);
         assert!(held.holds_every_slot("v"));
@@ -322,9 +322,8 @@ mod tests {
         assert_eq!(held.count("v"), 1);
 
         // Two offered, the kernel took one: only that one is kept.
-        let (c, _pc) = pair();
+        let (c, _pc) = taken_pair();
         let (d, mut pd) = pair();
-        take(&c);
         held.offered("v", "id:1", vec![c, d]);
         assert_eq!(held.count("v"), 2);
         assert!(held.holds_every_slot("v"));
@@ -336,11 +335,9 @@ mod tests {
     #[test]
     fn sockets_of_another_attachment_or_not_unix_are_not_kept() {
         let held = HeldSockets::default();
-        let (a, _pa) = pair();
-        take(&a);
+        let (a, _pa) = taken_pair();
         held.attached("v", "id:1", vec![a]);
-        let (b, _pb) = pair();
-        take(&b);
+        let (b, _pb) = taken_pair();
         held.offered("v", "id:2", vec![b]);
         assert_eq!(held.count("v"), 1);
         let tcp = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -353,10 +350,8 @@ mod tests {
     #[test]
     fn shutting_down_marks_every_held_socket_gone() {
         let held = HeldSockets::default();
-        let (a, _pa) = pair();
-        let (b, _pb) = pair();
-        take(&a);
-        take(&b);
+        let (a, _pa) = taken_pair();
+        let (b, _pb) = taken_pair();
         held.attached("v", "id:1", vec![a, b]);
         let names = held.shut_down_all("v");
         assert_eq!(names.len(), 2);

@@ -6,6 +6,7 @@
 #![allow(clippy::unwrap_used)] // a test fails by panicking
 
 use sha2::{Digest, Sha256};
+use testkit::csi::NodeClients;
 use testkit::daemon::NodeDaemon;
 use testkit::tls::TestPki;
 use testkit::{kernel_io_errors, pattern, DirectFile, Listen};
@@ -24,6 +25,18 @@ fn tls_stat() -> std::collections::HashMap<String, u64> {
             Some((f.next()?.to_owned(), f.next()?.parse().ok()?))
         })
         .collect()
+}
+
+/// One `/proc/net/tls_stat` counter (0 when absent).
+fn tls_counter(name: &str) -> u64 {
+    tls_stat().get(name).copied().unwrap_or(0)
+}
+
+/// A daemon trusting `pki`'s CA and presenting its client certificate, started.
+async fn daemon_trusting(node_id: &str, pki: &TestPki) -> (NodeDaemon, NodeClients) {
+    let mut daemon = NodeDaemon::new(node_id, &format!("{CONFIG}{}", pki.node_config())).unwrap();
+    let c = daemon.start(None).await;
+    (daemon, c)
 }
 
 /// Writes `len` bytes of a pattern with O_DIRECT at `offset`, reads them back the same way,
@@ -51,25 +64,23 @@ fn direct_round_trip(vol: &Volume, offset: u64, len: usize, seed: u64) -> [u8; 3
 #[ignore = "vm: needs root, the nbd and tls modules"]
 async fn tls_is_handed_to_the_kernel_and_needs_no_process() {
     let pki = TestPki::new("ustor test CA").unwrap();
-    let mut daemon = NodeDaemon::new("ktls", &format!("{CONFIG}{}", pki.node_config())).unwrap();
-    let mut c = daemon.start(None).await;
-    let before = tls_stat();
+    let (mut daemon, mut c) = daemon_trusting("ktls", &pki).await;
+    let (tx_before, rx_before) = (tls_counter("TlsCurrTxSw"), tls_counter("TlsCurrRxSw"));
 
     let vol = Volume::new_tls(&daemon, "tls-proof", 96 * MIB, block(), &pki);
     assert!(vol.uri().starts_with("nbds://"), "{}", vol.uri());
     vol.up(&mut c).await;
-    let stat = tls_stat();
     assert!(
-        stat["TlsCurrTxSw"] > before.get("TlsCurrTxSw").copied().unwrap_or(0)
-            && stat["TlsCurrRxSw"] > before.get("TlsCurrRxSw").copied().unwrap_or(0),
-        "no kernel TLS session in TX and RX: {stat:?}"
+        tls_counter("TlsCurrTxSw") > tx_before && tls_counter("TlsCurrRxSw") > rx_before,
+        "no kernel TLS session in TX and RX: {:?}",
+        tls_stat()
     );
     let sum = direct_round_trip(&vol, 0, 64 * MIB as usize, 50);
     // The server's file holds the data: it went through the kernel's encryption and back.
     let mut on_disk = Sha256::new();
     on_disk.update(vol.read_backing(0, 64 * MIB as usize));
     assert_eq!(<[u8; 32]>::from(on_disk.finalize()), sum);
-    assert_eq!(tls_stat().get("TlsDecryptError").copied().unwrap_or(0), 0);
+    assert_eq!(tls_counter("TlsDecryptError"), 0);
 
     // No process in the data path: the daemon gone, I/O still flows.
     daemon.kill();
@@ -83,8 +94,7 @@ async fn tls_is_handed_to_the_kernel_and_needs_no_process() {
 #[ignore = "vm: needs root, the nbd and tls modules"]
 async fn tls_refusals_name_their_cause_and_leave_nothing_attached() {
     let pki = TestPki::new("ustor test CA").unwrap();
-    let mut daemon = NodeDaemon::new("ktls-no", &format!("{CONFIG}{}", pki.node_config())).unwrap();
-    let mut c = daemon.start(None).await;
+    let (daemon, mut c) = daemon_trusting("ktls-no", &pki).await;
 
     // A server without TLS: STARTTLS refused, never a plaintext fallback.
     let mut plain = Volume::new_on(&daemon, "tls-plain", 16 * MIB, block(), Listen::Tcp);
@@ -108,9 +118,7 @@ async fn tls_refusals_name_their_cause_and_leave_nothing_attached() {
 #[ignore = "vm: needs root, the nbd and tls modules"]
 async fn a_dropped_tls_link_is_healed_and_rotated_certificates_are_used() {
     let pki = TestPki::new("first CA").unwrap();
-    let mut daemon =
-        NodeDaemon::new("ktls-heal", &format!("{CONFIG}{}", pki.node_config())).unwrap();
-    let mut c = daemon.start(None).await;
+    let (daemon, mut c) = daemon_trusting("ktls-heal", &pki).await;
     let vol = Volume::new_tls(&daemon, "tls-heal", 32 * MIB, block(), &pki);
     vol.up(&mut c).await;
     let errors = kernel_io_errors();
@@ -135,7 +143,7 @@ async fn a_dropped_tls_link_is_healed_and_rotated_certificates_are_used() {
         errors,
         "the applications saw I/O errors"
     );
-    assert_eq!(tls_stat().get("TlsDecryptError").copied().unwrap_or(0), 0);
+    assert_eq!(tls_counter("TlsDecryptError"), 0);
     vol.down(&mut c).await;
     assert_clean(&daemon);
 }
