@@ -127,6 +127,16 @@ impl HeldSockets {
         })
     }
 
+    /// Whether a socket other than `names` is held alive: a connection offered since those
+    /// were shut down that the kernel still uses.
+    pub fn holds_other_than(&self, volume: &str, names: &[String]) -> bool {
+        let mut volumes = lock(&self.volumes);
+        volumes.get_mut(volume).is_some_and(|att| {
+            prune(att);
+            att.sockets.iter().any(|h| !names.contains(&h.name))
+        })
+    }
+
     /// How many sockets are held for `volume`.
     #[cfg(test)]
     fn count(&self, volume: &str) -> usize {
@@ -356,7 +366,14 @@ mod tests {
         let names = held.shut_down_all("v");
         assert_eq!(names.len(), 2);
         assert!(!held.holds_any("v", &names));
+        assert!(!held.holds_other_than("v", &names), "nothing new yet");
         assert_eq!(held.count("v"), 0);
+        let (c, _pc) = taken_pair();
+        held.offered("v", "id:1", vec![c]);
+        assert!(
+            held.holds_other_than("v", &names),
+            "a new connection is held"
+        );
         held.forget("v");
         assert!(!held.holds_every_slot("v"));
     }

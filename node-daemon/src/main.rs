@@ -183,7 +183,7 @@ fn main() -> Result<()> {
             log_json,
         } => {
             init_logging(log_json);
-            let armed = failpoints::arm_from_env();
+            let armed = failpoints::arm_from_env().map_err(|e| anyhow::anyhow!(e))?;
             if !armed.is_empty() {
                 tracing::warn!(?armed, "crash points armed (test build)");
             }

@@ -878,6 +878,131 @@ async fn a_unix_socket_export_grows_through_held_connections_and_never_beyond_th
     assert_clean(&daemon);
 }
 
+/// Probe and NodeGetVolumeStats are answered within a second, for `during`.
+async fn keeps_answering(c: &mut testkit::csi::NodeClients, vol: &Volume, during: Duration) {
+    let started = Instant::now();
+    while started.elapsed() < during {
+        promptly("Probe", c.identity.probe(ProbeRequest {}))
+            .await
+            .unwrap();
+        promptly(
+            "NodeGetVolumeStats",
+            c.node
+                .node_get_volume_stats(stats_request(&vol.id, &vol.target)),
+        )
+        .await
+        .unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn a_unix_socket_expansion_whose_server_dies_mid_call_answers_and_leaves_nothing_behind() {
+    let mut daemon = NodeDaemon::new("unixdown", CONFIG).unwrap();
+    // A window with the filesystem frozen, before the held connections are shut down and new
+    // ones offered: the server is killed in it.
+    let mut c = daemon.start(Some("expand-while-frozen=pause(3000)")).await;
+    let mut vol = Volume::new(&daemon, "unix-down", 64 * MIB, ext4()).with_connections(2);
+    vol.up(&mut c).await;
+    write_and_check_file(&vol.target, "before", 2 * MIB as usize, 40);
+    let index = vol.device(&daemon).unwrap();
+    let errors_before = kernel_io_errors();
+    let expand_to = {
+        let node = c.node.clone();
+        let (id, target, staging) = (vol.id.clone(), vol.target.clone(), vol.staging.clone());
+        move |bytes: u64| {
+            let mut node = node.clone();
+            let req = expand_request(&id, &target, &staging, bytes as i64);
+            tokio::spawn(async move { node.node_expand_volume(req).await })
+        }
+    };
+
+    // 1. The server comes back while the call still offers connections: the call completes.
+    vol.resize_backing(96 * MIB);
+    let expand = expand_to(96 * MIB);
+    daemon.wait_paused("expand-while-frozen").await;
+    vol.server.kill();
+    keeps_answering(&mut c, &vol, Duration::from_secs(5)).await;
+    assert!(!expand.is_finished(), "the expansion waits for the export");
+    vol.server.start().unwrap();
+    let grown = tokio::time::timeout(Duration::from_secs(60), expand)
+        .await
+        .expect("NodeExpandVolume finishes once the server is back")
+        .unwrap()
+        .unwrap_or_else(|e| panic!("NodeExpandVolume across the outage: {e:?}"))
+        .into_inner();
+    assert_eq!(grown.capacity_bytes, (96 * MIB) as i64);
+    assert_eq!(Sysfs::default().size_bytes(index).unwrap(), 96 * MIB);
+    assert!(fs_bytes(&vol.target) > 80 * MIB, "the filesystem grew");
+    write_and_check_file(&vol.target, "grown", 20 * MIB as usize, 41);
+
+    // 2. The server stays away: the call gives up once it has offered connections for
+    // REPLACE_WITHIN (30 s), and the daemon answers all along. The thaw that follows writes
+    // ext4's superblock, which waits for the export like any write: the server returns after
+    // the give-up, and the call then ends UNAVAILABLE with the device at its old size.
+    wait_condition(&mut c, &vol, false).await;
+    vol.resize_backing(128 * MIB);
+    let expand = expand_to(128 * MIB);
+    daemon.wait_paused("expand-while-frozen").await;
+    vol.server.kill();
+    let killed = Instant::now();
+    keeps_answering(&mut c, &vol, Duration::from_secs(35)).await;
+    vol.server.start().unwrap();
+    let refused = tokio::time::timeout(Duration::from_secs(30), expand)
+        .await
+        .expect("NodeExpandVolume gives up")
+        .unwrap()
+        .unwrap_err();
+    let took = killed.elapsed();
+    assert_eq!(refused.code(), Code::Unavailable, "{}", refused.message());
+    assert!(
+        refused.message().contains("size is unchanged"),
+        "{}",
+        refused.message()
+    );
+    assert!(
+        took < Duration::from_secs(50),
+        "answered {took:?} after the server died"
+    );
+    assert_eq!(
+        Sysfs::default().size_bytes(index).unwrap(),
+        96 * MIB,
+        "the device never claims space no connection serves"
+    );
+
+    // The link heals, the filesystem is thawed and writable, and the next NodeExpand (kubelet
+    // retries) finishes the growth.
+    wait_condition(&mut c, &vol, false).await;
+    write_and_check_file(&vol.target, "healed", 2 * MIB as usize, 42);
+    vol.expand(&mut c, 128 * MIB)
+        .await
+        .unwrap_or_else(|e| panic!("NodeExpandVolume retried after the outage: {e:?}"));
+    assert_eq!(Sysfs::default().size_bytes(index).unwrap(), 128 * MIB);
+    assert!(fs_bytes(&vol.target) > 110 * MIB, "the filesystem grew");
+    assert_eq!(
+        kernel_io_errors(),
+        errors_before,
+        "no I/O error in the kernel log"
+    );
+
+    // Everything written is intact, and teardown leaves nothing attached or mounted.
+    for (name, seed, len) in [
+        ("before", 40, 2 * MIB),
+        ("grown", 41, 20 * MIB),
+        ("healed", 42, 2 * MIB),
+    ] {
+        assert!(
+            std::fs::read(vol.target.join(name)).unwrap() == pattern(seed, 0, len as usize),
+            "{name} is intact"
+        );
+    }
+    vol.down(&mut c).await;
+    let (code, status) = status_of(&daemon);
+    assert_eq!(code, 0, "status is clean after teardown: {status}");
+    assert_clean(&daemon);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "vm: needs root and the nbd module"]
 async fn status_names_every_disagreement_and_exits_accordingly() {
@@ -1123,7 +1248,7 @@ async fn wait_condition(c: &mut testkit::csi::NodeClients, vol: &Volume, abnorma
 async fn calls_made_while_the_export_is_down_answer_and_an_expansion_outlives_it() {
     let mut daemon = NodeDaemon::new("downcalls", CONFIG).unwrap();
     // A window between the resize and the filesystem's growth, to take the export away in.
-    let mut c = daemon.start(Some("expand-after-resize=sleep(2000)")).await;
+    let mut c = daemon.start(Some("expand-after-resize=pause(2000)")).await;
     let mut vol = Volume::new_on(&daemon, "downcalls", 64 * MIB, ext4(), Listen::Tcp);
     vol.up(&mut c).await;
     write_and_check_file(&vol.target, "before", 2 * MIB as usize, 5);

@@ -131,6 +131,7 @@ impl Node {
             )));
         }
         fail::fail_point!("expand-after-resize");
+        crate::failpoints::pause("expand-after-resize").await;
         if let Access::Mount { fs, .. } = &record.access {
             let fs: Filesystem = fs.parse()?;
             let staging = staging_path(&record)?.to_owned();
@@ -194,6 +195,7 @@ impl Node {
         if let Some(dir) = staging.clone() {
             off_runtime("freeze", move || crate::blockdev::freeze(&dir)).await?;
             fail::fail_point!("expand-while-frozen");
+            crate::failpoints::pause("expand-while-frozen").await;
         }
         let replaced = self.replace_connections(record, device, current).await;
         if let Some(dir) = staging {
@@ -252,9 +254,15 @@ impl Node {
                 tracing::debug!(error = %e, "reconnect while replacing connections");
             }
             let live = self.connections_of(&record.volume_id);
-            if !old.iter().any(|c| live.contains(c))
-                && !self.held.holds_any(&record.volume_id, &old_held)
-            {
+            let old_gone = !old.iter().any(|c| live.contains(c))
+                && !self.held.holds_any(&record.volume_id, &old_held);
+            // Read only over a live new connection: with none, the read would wait for the
+            // export as long as the dead-connection timeout, and if that ran out the kernel
+            // would fail every later request (the thaw's superblock write among them) until
+            // the next reconnect. A frozen filesystem with no I/O in flight loses nothing.
+            let new_live =
+                !live.is_empty() || self.held.holds_other_than(&record.volume_id, &old_held);
+            if old_gone && new_live {
                 let dev = dev.clone();
                 if off_runtime("read", move || Ok(connections::serves_size(&dev, current))).await? {
                     return Ok(());

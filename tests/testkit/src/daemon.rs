@@ -83,7 +83,9 @@ impl NodeDaemon {
             .stdin(Stdio::null());
         cmd.envs(self.env.iter().map(|(k, v)| (k, v)));
         match failpoints {
-            Some(f) => cmd.env("USTOR_FAILPOINTS", f),
+            Some(f) => cmd
+                .env("USTOR_FAILPOINTS", f)
+                .env("USTOR_FAILPOINT_MARKS", self.marks_dir()),
             None => cmd.env_remove("USTOR_FAILPOINTS"),
         };
         self.child = Some(
@@ -141,6 +143,24 @@ impl NodeDaemon {
             std::thread::sleep(Duration::from_millis(10));
         }
         None
+    }
+
+    fn marks_dir(&self) -> PathBuf {
+        self.dir.path().join("failpoint-marks")
+    }
+
+    /// Waits until the daemon pauses at `point` (armed with `point=pause(ms)`), and clears the
+    /// mark so the next wait waits for the next pause.
+    pub async fn wait_paused(&self, point: &str) {
+        let mark = self.marks_dir().join(point);
+        let started = Instant::now();
+        while std::fs::remove_file(&mark).is_err() {
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "the daemon never paused at {point}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 
     /// The daemon's `/metrics` text.
