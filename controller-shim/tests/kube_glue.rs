@@ -934,6 +934,9 @@ async fn volumes_of_two_connections_live_on_their_own_ustor_clusters() {
     // What external-provisioner sends: the StorageClass's parameters as they are.
     let storage_classes: Api<StorageClass> = Api::all(client.clone());
     let mut ids = Vec::new();
+    let mut contexts = Vec::new();
+    // beta's data plane requires TLS: its volumes name its TLS profile.
+    beta.serve_nbd_over_tls(true);
     for class in ["sc-alpha", "sc-beta"] {
         let parameters = storage_classes
             .get(class)
@@ -958,8 +961,13 @@ async fn volumes_of_two_connections_live_on_their_own_ustor_clusters() {
             .volume
             .unwrap();
         ids.push(volume.volume_id);
+        contexts.push(volume.volume_context);
     }
     assert!(ids[0].starts_with("ustor:volume:alpha/data/"), "{}", ids[0]);
+    assert!(contexts[0]["nbdUri"].starts_with("nbd://"), "{contexts:?}");
+    assert!(!contexts[0].contains_key("tlsProfile"), "{contexts:?}");
+    assert!(contexts[1]["nbdUri"].starts_with("nbds://"), "{contexts:?}");
+    assert_eq!(contexts[1]["tlsProfile"], "beta", "{contexts:?}");
     assert!(ids[1].starts_with("ustor:volume:beta/data/"), "{}", ids[1]);
     assert_eq!(alpha.images(), ["data/k8s-pvc-sc-alpha"]);
     assert_eq!(beta.images(), ["data/k8s-pvc-sc-beta"]);
@@ -984,6 +992,11 @@ async fn volumes_of_two_connections_live_on_their_own_ustor_clusters() {
         .unwrap_or_else(|e| panic!("publish after the password change: {e:?}"))
         .into_inner();
     assert!(published.publish_context["nbdUri"].starts_with("nbd://"));
+    assert!(
+        !published.publish_context.contains_key("tlsProfile"),
+        "a plaintext export names no TLS profile: {:?}",
+        published.publish_context
+    );
 
     // Deleting a MindUstorStorageClass never touches its volumes.
     classes

@@ -41,6 +41,21 @@ pub struct FileConfig {
     pub tls_key_file: Option<PathBuf>,
     /// The name servers' certificates carry, when not the URI's host.
     pub tls_server_name: Option<String>,
+    /// Named TLS settings (`[tls-profile.<name>]`), chosen per volume by its `tlsProfile`
+    /// volume context key: one per uStor connection, each with that connection's CA and client
+    /// certificate. The `tls-*` keys above are used by volumes that name none.
+    #[serde(default)]
+    pub tls_profile: std::collections::BTreeMap<String, TlsProfileFile>,
+}
+
+/// One `[tls-profile.<name>]` table.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct TlsProfileFile {
+    pub ca_file: PathBuf,
+    pub cert_file: Option<PathBuf>,
+    pub key_file: Option<PathBuf>,
+    pub server_name: Option<String>,
 }
 
 impl FileConfig {
@@ -77,8 +92,11 @@ pub struct Settings {
     pub call_patience: Duration,
     /// Where `/metrics` is served; `None` disables it.
     pub metrics_address: Option<std::net::SocketAddr>,
-    /// TLS material for `nbds://` exports; `None` refuses them with a clear error.
+    /// TLS material for `nbds://` exports that name no profile; `None` refuses them with a
+    /// clear error.
     pub tls: Option<std::sync::Arc<nbd::tls::TlsFiles>>,
+    /// TLS material by profile name, for exports whose volume names one.
+    pub tls_profiles: std::collections::BTreeMap<String, std::sync::Arc<nbd::tls::TlsFiles>>,
 }
 
 impl Settings {
@@ -99,6 +117,7 @@ impl Settings {
                     .unwrap_or_else(|_| ([127, 0, 0, 1], 9809).into()),
             ),
             tls: None,
+            tls_profiles: Default::default(),
         }
     }
 
@@ -141,20 +160,44 @@ impl Settings {
             f.tls_cert_file.is_some() || f.tls_key_file.is_some(),
         ) {
             (Some(ca), _) => {
-                self.tls = Some(std::sync::Arc::new(nbd::tls::TlsFiles {
+                self.tls = Some(tls_files(
                     ca,
-                    client_cert: f.tls_cert_file,
-                    client_key: f.tls_key_file,
-                    server_name: f.tls_server_name,
-                }))
+                    f.tls_cert_file,
+                    f.tls_key_file,
+                    f.tls_server_name,
+                )?)
             }
             (None, true) => anyhow::bail!(
                 "tls-cert-file and tls-key-file need tls-ca-file (the CA that signs the servers)"
             ),
             (None, false) => {}
         }
+        for (name, p) in f.tls_profile {
+            let files = tls_files(p.ca_file, p.cert_file, p.key_file, p.server_name)
+                .map_err(|e| anyhow::anyhow!("[tls-profile.{name}]: {e}"))?;
+            self.tls_profiles.insert(name, files);
+        }
         Ok(())
     }
+}
+
+/// A client certificate comes with its key: one without the other is a configuration mistake
+/// found at start, not at the first dial.
+fn tls_files(
+    ca: PathBuf,
+    client_cert: Option<PathBuf>,
+    client_key: Option<PathBuf>,
+    server_name: Option<String>,
+) -> anyhow::Result<std::sync::Arc<nbd::tls::TlsFiles>> {
+    if client_cert.is_some() != client_key.is_some() {
+        anyhow::bail!("a client certificate and its key are set together (cert-file and key-file)");
+    }
+    Ok(std::sync::Arc::new(nbd::tls::TlsFiles {
+        ca,
+        client_cert,
+        client_key,
+        server_name,
+    }))
 }
 
 /// `host:port` to serve metrics on; empty means off.
@@ -216,6 +259,36 @@ mod tests {
         assert!(unix_path("unix://relative/x.sock").is_err());
         assert!(unix_path("tcp://0.0.0.0:1").is_err());
         assert_eq!(unix_path("/a.sock").unwrap(), Path::new("/a.sock"));
+    }
+
+    #[test]
+    fn tls_profiles_are_read_by_name_and_half_a_client_identity_is_refused() {
+        let mut s = Settings::defaults("n".into());
+        let f: FileConfig = toml::from_str(
+            r#"
+            tls-ca-file = "/etc/ustor-csi/tls/ca.crt"
+            [tls-profile.lab]
+            ca-file = "/etc/ustor-csi/tls/lab/ca.crt"
+            cert-file = "/etc/ustor-csi/tls/lab/client.crt"
+            key-file = "/etc/ustor-csi/tls/lab/client.key"
+            server-name = "ustor.lab"
+            "#,
+        )
+        .unwrap();
+        s.apply_file(f).unwrap();
+        let lab = &s.tls_profiles["lab"];
+        assert_eq!(lab.ca, Path::new("/etc/ustor-csi/tls/lab/ca.crt"));
+        assert_eq!(lab.server_name.as_deref(), Some("ustor.lab"));
+        assert_eq!(
+            s.tls.as_ref().unwrap().ca,
+            Path::new("/etc/ustor-csi/tls/ca.crt")
+        );
+
+        let half: FileConfig =
+            toml::from_str("[tls-profile.x]\nca-file = \"/ca\"\ncert-file = \"/c\"\n").unwrap();
+        let err = Settings::defaults("n".into()).apply_file(half).unwrap_err();
+        assert!(err.to_string().contains("[tls-profile.x]"), "{err}");
+        assert!(toml::from_str::<FileConfig>("[tls-profile.x]\ncert-file = \"/c\"\n").is_err());
     }
 
     #[test]

@@ -309,7 +309,10 @@ impl Node {
         DialOptions {
             deadline: self.settings.dial_timeout,
             connections: export.connections,
-            tls: self.settings.tls.clone(),
+            tls: match &export.tls_profile {
+                None => self.settings.tls.clone(),
+                Some(name) => self.settings.tls_profiles.get(name).cloned(),
+            },
         }
     }
 

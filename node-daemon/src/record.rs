@@ -58,6 +58,10 @@ pub struct TcpConnection {
 pub struct Export {
     pub uri: String,
     pub connections: u8,
+    /// The node's `[tls-profile.<name>]` an `nbds://` export is dialed with; the node's
+    /// default TLS settings when `None`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_profile: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -216,6 +220,7 @@ mod tests {
             export: Some(Export {
                 uri: "nbd://h:10809/x".into(),
                 connections: 2,
+                tls_profile: None,
             }),
             device: Some(3),
             staging_path: Some("/stage".into()),

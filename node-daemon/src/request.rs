@@ -16,6 +16,7 @@ use crate::record::{Access, AccessMode, Export};
 /// Context keys this driver reads.
 pub const KEY_NBD_URI: &str = "nbdUri";
 pub const KEY_NBD_CONNECTIONS: &str = "nbdConnections";
+pub const KEY_TLS_PROFILE: &str = "tlsProfile";
 
 /// Key prefixes others put in the volume context, which are accepted and ignored: Kubernetes'
 /// own (`csi.storage.k8s.io/…`, `storage.kubernetes.io/…`) and the controller's.
@@ -132,10 +133,10 @@ pub fn export(
         ("volume_context", volume_context),
     ] {
         for key in ctx.keys() {
-            let known = key == KEY_NBD_URI || key == KEY_NBD_CONNECTIONS;
+            let known = [KEY_NBD_URI, KEY_NBD_CONNECTIONS, KEY_TLS_PROFILE].contains(&key.as_str());
             if !known && !FOREIGN_PREFIXES.iter().any(|p| key.starts_with(p)) {
                 return Err(NodeError::invalid(format!(
-                    "unknown key {key:?} in {name} (this driver reads {KEY_NBD_URI} and {KEY_NBD_CONNECTIONS})"
+                    "unknown key {key:?} in {name} (this driver reads {KEY_NBD_URI}, {KEY_NBD_CONNECTIONS} and {KEY_TLS_PROFILE})"
                 )));
             }
         }
@@ -159,9 +160,24 @@ pub fn export(
                 ))
             })?,
     };
+    let tls_profile = match lookup(KEY_TLS_PROFILE) {
+        None => None,
+        Some(p) if !uri.tls() => {
+            return Err(NodeError::invalid(format!(
+                "{KEY_TLS_PROFILE} {p:?} is set for the plaintext export {uri}: TLS profiles are for nbds:// exports"
+            )))
+        }
+        Some(p) if p.is_empty() || p.len() > 253 || p.chars().any(|c| c.is_control()) => {
+            return Err(NodeError::invalid(format!(
+                "{KEY_TLS_PROFILE} {p:?} is not a profile name"
+            )))
+        }
+        Some(p) => Some(p.clone()),
+    };
     Ok(Export {
         uri: uri.to_string(),
         connections,
+        tls_profile,
     })
 }
 
@@ -305,6 +321,25 @@ mod tests {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect()
+    }
+
+    #[test]
+    fn a_tls_profile_is_for_nbds_exports_only() {
+        let e = export(
+            &ctx(&[]),
+            &ctx(&[("nbdUri", "nbds://h/x"), ("tlsProfile", "lab")]),
+        )
+        .unwrap();
+        assert_eq!(e.tls_profile.as_deref(), Some("lab"));
+        for bad in [
+            ctx(&[("nbdUri", "nbd://h/x"), ("tlsProfile", "lab")]),
+            ctx(&[("nbdUri", "nbds://h/x"), ("tlsProfile", "")]),
+        ] {
+            assert!(
+                matches!(export(&ctx(&[]), &bad), Err(NodeError::InvalidArgument(_))),
+                "{bad:?}"
+            );
+        }
     }
 
     #[test]

@@ -112,6 +112,15 @@ impl Backend for ConnectionsBackend {
         }
     }
 
+    /// Named after the volume's connection: each connection has its own TLS Secret, and
+    /// nodes define a `[tls-profile.<connection>]` with its files.
+    fn tls_profile(&self, key: &str) -> Option<String> {
+        split(key)
+            .0
+            .map(str::to_owned)
+            .or_else(|| self.directory.oldest())
+    }
+
     async fn export_uri(&self, key: &str) -> Result<String, ControllerError> {
         let (backend, rest) = self.route(key)?;
         backend.export_uri(rest).await

@@ -50,6 +50,11 @@ pub trait Backend: Send + Sync + fmt::Debug {
     fn granularity(&self) -> u64;
     /// The NBD URI nodes attach the image through.
     async fn export_uri(&self, image: &str) -> Result<String, ControllerError>;
+    /// The node's TLS profile an `nbds://` export of `image` is dialed with (the node's
+    /// default TLS settings when `None`).
+    fn tls_profile(&self, _image: &str) -> Option<String> {
+        None
+    }
 
     /// Where a new volume's image lives, as the backend keys it (for uStor, `<pool>/<image>`
     /// with the pool from the StorageClass). The key is what volume ids carry.

@@ -131,16 +131,33 @@ impl ControllerService {
         Ok(size)
     }
 
+    /// What a node needs to attach `image`: its URI, the connection count, and for an
+    /// `nbds://` export the TLS profile of its connection.
+    async fn export_context(
+        &self,
+        image: &str,
+        meta: &VolumeMeta,
+    ) -> Result<HashMap<String, String>, ControllerError> {
+        let uri = self.backend.export_uri(image).await?;
+        let mut context = HashMap::new();
+        if let Some(n) = meta.parameters.get("nbdConnections") {
+            context.insert("nbdConnections".into(), n.clone());
+        }
+        if uri.starts_with("nbds://") {
+            if let Some(profile) = self.backend.tls_profile(image) {
+                context.insert("tlsProfile".into(), profile);
+            }
+        }
+        context.insert("nbdUri".into(), uri);
+        Ok(context)
+    }
+
     async fn volume_response(
         &self,
         image: &str,
         meta: &VolumeMeta,
     ) -> Result<Volume, ControllerError> {
-        let mut context =
-            HashMap::from([("nbdUri".to_owned(), self.backend.export_uri(image).await?)]);
-        if let Some(n) = meta.parameters.get("nbdConnections") {
-            context.insert("nbdConnections".into(), n.clone());
-        }
+        let context = self.export_context(image, meta).await?;
         Ok(Volume {
             capacity_bytes: meta.size as i64,
             volume_id: Handle::new(self.backend.name(), Kind::Volume, image.to_owned()).to_string(),
@@ -320,13 +337,7 @@ impl ControllerService {
                 self.backend.update_volume(&h.image, &meta).await?;
             }
         }
-        let mut context = HashMap::from([(
-            "nbdUri".to_owned(),
-            self.backend.export_uri(&h.image).await?,
-        )]);
-        if let Some(n) = meta.parameters.get("nbdConnections") {
-            context.insert("nbdConnections".into(), n.clone());
-        }
+        let context = self.export_context(&h.image, &meta).await?;
         Ok(ControllerPublishVolumeResponse {
             publish_context: context,
         })

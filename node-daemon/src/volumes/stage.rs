@@ -37,6 +37,7 @@ const MAX_STEPS: usize = 12;
 impl Node {
     pub async fn stage(&self, req: StageRequest) -> Result<(), NodeError> {
         self.ensure_ready()?;
+        self.refuse_unknown_tls_profile(&req.export)?;
         let _guard = self
             .locks
             .lock_within(req.volume.as_str(), self.settings.call_patience)
@@ -115,6 +116,21 @@ impl Node {
         };
         if let Err(e) = undone {
             tracing::error!(%volume, error = %e, "could not undo a failed stage; NodeStage or NodeUnstage will retry");
+        }
+    }
+
+    /// A volume naming a TLS profile this node does not define is refused before anything is
+    /// dialed, naming the profile and where it is defined.
+    fn refuse_unknown_tls_profile(&self, export: &Export) -> Result<(), NodeError> {
+        match &export.tls_profile {
+            Some(name) if !self.settings.tls_profiles.contains_key(name) => {
+                Err(NodeError::FailedPrecondition(format!(
+                    "the volume's export {} asks for TLS profile {name:?}, which this node does not define: \
+                     add [tls-profile.{name}] with its ca-file, cert-file and key-file to the node's configuration",
+                    export.uri
+                )))
+            }
+            _ => Ok(()),
         }
     }
 

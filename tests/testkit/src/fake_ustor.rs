@@ -23,6 +23,8 @@ struct Inner {
     images: Mutex<HashMap<String, Value>>,
     snapshots: Mutex<HashMap<String, Value>>,
     logins: AtomicUsize,
+    /// New images' NBD endpoints require TLS.
+    nbd_tls: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Debug, Clone)]
@@ -103,6 +105,11 @@ impl FakeUstor {
             .collect();
         keys.sort();
         keys
+    }
+
+    /// Images created from now on are served over TLS (their `nbd.tls` is true).
+    pub fn serve_nbd_over_tls(&self, on: bool) {
+        self.inner.nbd_tls.store(on, Ordering::SeqCst);
     }
 
     /// Every token issued so far expires: the next call answers 401 TokenExpired.
@@ -219,8 +226,9 @@ async fn create_image(
     if images.contains_key(&key) {
         return error(StatusCode::CONFLICT, "AlreadyExists", "image exists");
     }
+    let tls = s.nbd_tls.load(Ordering::SeqCst);
     let image = json!({"name": name, "sizeBytes": size, "labels": body["labels"].clone(),
-        "nbd": {"host": "127.0.0.1", "port": 10809, "export": name}});
+        "nbd": {"host": "127.0.0.1", "port": 10809, "export": name, "tls": tls}});
     images.insert(key, image.clone());
     (StatusCode::CREATED, Json(image)).into_response()
 }

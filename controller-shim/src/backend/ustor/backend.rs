@@ -28,6 +28,10 @@ struct Nbd {
     host: String,
     port: u16,
     export: String,
+    /// The endpoint requires TLS: the URI is `nbds://`, dialed with the connection's
+    /// certificates.
+    #[serde(default)]
+    tls: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -182,7 +186,8 @@ impl Backend for UstorBackend {
         })?;
         // NbdUri brackets an IPv6 host and percent-encodes the export name (uStor's may hold
         // characters a URI path cannot).
-        Ok(nbd::NbdUri::tcp(image.nbd.host, image.nbd.port, image.nbd.export).to_string())
+        let uri = nbd::NbdUri::tcp(image.nbd.host, image.nbd.port, image.nbd.export);
+        Ok(if image.nbd.tls { uri.with_tls() } else { uri }.to_string())
     }
 
     async fn volume(&self, key: &str) -> Result<Option<VolumeMeta>, ControllerError> {
