@@ -298,6 +298,7 @@ mod tests {
                 preferred: 4096,
                 maximum: 1 << 25,
             }),
+            tls: None,
         }
     }
 

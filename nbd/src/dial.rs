@@ -76,8 +76,8 @@ pub async fn dial(uri: &NbdUri, opts: &DialOptions) -> Result<Dialed, Error> {
         let (other, socket) = joined.map_err(|e| Error::Internal(e.to_string()))??;
         if other.size != info.size || other.flags != info.flags {
             return Err(Error::ExportChanged {
-                first: info,
-                later: other,
+                first: Box::new(info),
+                later: Box::new(other),
             });
         }
         sockets.push(socket);

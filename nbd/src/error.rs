@@ -32,8 +32,8 @@ pub enum Error {
     DialTimeout { uri: String, deadline: Duration },
     #[error("export changed between connections: first {first:?}, later {later:?}")]
     ExportChanged {
-        first: ExportInfo,
-        later: ExportInfo,
+        first: Box<ExportInfo>,
+        later: Box<ExportInfo>,
     },
     #[error("{0} connections requested; between 1 and 16 are allowed")]
     InvalidConnections(u8),

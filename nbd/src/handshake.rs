@@ -34,6 +34,22 @@ pub struct ExportInfo {
     pub size: u64,
     pub flags: TransmissionFlags,
     pub block_sizes: Option<BlockSizes>,
+    /// The TLS session the connection carries (`nbds://`), handed to the kernel.
+    pub tls: Option<TlsSession>,
+}
+
+/// What a TLS handshake negotiated, in rustls' names (e.g. `TLSv1_3`,
+/// `TLS13_AES_256_GCM_SHA384`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TlsSession {
+    pub version: &'static str,
+    pub cipher: &'static str,
+}
+
+impl std::fmt::Display for TlsSession {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}", self.version, self.cipher)
+    }
 }
 
 impl ExportInfo {
@@ -241,6 +257,7 @@ where
                     size,
                     flags,
                     block_sizes,
+                    tls: None,
                 }));
             }
             rep::ERR_UNSUP => return Ok(GoOutcome::Unsupported),
@@ -282,6 +299,7 @@ where
         size,
         flags,
         block_sizes: None,
+        tls: None,
     })
 }
 

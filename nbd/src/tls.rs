@@ -162,9 +162,20 @@ pub(crate) async fn handshake(
         .connect(server_name, ktls::CorkStream::new(tcp))
         .await
         .map_err(|e| tls_error(TlsError::Handshake(e)))?;
-    let info = handshake::select_export(&mut tls, &greeting, uri.export())
+    let mut info = handshake::select_export(&mut tls, &greeting, uri.export())
         .await
         .map_err(handshake_error)?;
+    let session = &tls.get_ref().1;
+    info.tls = Some(crate::handshake::TlsSession {
+        version: session
+            .protocol_version()
+            .and_then(|v| v.as_str())
+            .unwrap_or("unknown"),
+        cipher: session
+            .negotiated_cipher_suite()
+            .and_then(|s| s.suite().as_str())
+            .unwrap_or("unknown"),
+    });
     let ktls = ktls::config_ktls_client(tls)
         .await
         .map_err(|e| tls_error(TlsError::Kernel(e.to_string())))?;

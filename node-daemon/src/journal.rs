@@ -236,6 +236,7 @@ mod tests {
             fs_uuid: None,
             rebuilt: false,
             tcp: Vec::new(),
+            tls: None,
         }
     }
 

@@ -41,6 +41,10 @@ pub struct Record {
     /// later daemon abort them by address when they must be replaced.
     #[serde(default)]
     pub tcp: Vec<TcpConnection>,
+    /// The TLS session of the device's connections when attached (`TLSv1_3
+    /// TLS13_AES_256_GCM_SHA384`), kernel TLS since; `None` for plaintext exports.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -239,6 +243,7 @@ mod tests {
                 peer: "10.0.0.2:10809".parse().unwrap(),
                 inode: Some(4242),
             }],
+            tls: Some("TLSv1_3 TLS13_AES_128_GCM_SHA256".into()),
         };
         let json = serde_json::to_value(&r).unwrap();
         assert_eq!(json["phase"]["step"], "expanding");

@@ -294,6 +294,7 @@ fn rebuild_lost(node: &Node, report: &mut Report) -> Result<(), NodeError> {
             size_bytes: node.sysfs.size_bytes(index).ok(),
             fs_uuid: None,
             rebuilt: true,
+            tls: None,
             targets: targets
                 .into_iter()
                 .map(|(p, read_only)| {

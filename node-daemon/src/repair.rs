@@ -236,6 +236,7 @@ mod tests {
             volume: None,
             access: None,
             export: None,
+            encryption: None,
             step: None,
             staging_path: None,
             targets: Vec::new(),

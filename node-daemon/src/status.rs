@@ -62,6 +62,9 @@ pub struct DeviceRow {
     /// `raw block` or `<fs> filesystem`.
     pub access: Option<String>,
     pub export: Option<String>,
+    /// `none` for a plaintext export, `kernel TLS, <version> <cipher>` (as negotiated when
+    /// attached) for an `nbds://` one.
+    pub encryption: Option<String>,
     pub step: Option<String>,
     pub staging_path: Option<String>,
     pub targets: Vec<String>,
@@ -240,6 +243,7 @@ fn device_row(
             .or_else(|| parsed.as_ref().and_then(|p| p.volume.clone())),
         access: record.map(|r| r.access.to_string()),
         export: record.and_then(|r| r.export.as_ref().map(|e| e.uri.clone())),
+        encryption: record.and_then(encryption),
         step: record.map(|r| step_name(r.phase)),
         staging_path: record.and_then(|r| r.staging_path.as_ref().map(|p| p.display().to_string())),
         targets: record
@@ -253,6 +257,19 @@ fn device_row(
         scheduler,
         problems,
     }
+}
+
+/// How a record's connections are protected, when its export is known.
+fn encryption(r: &Record) -> Option<String> {
+    let export = r.export.as_ref()?;
+    Some(if !export.uri.starts_with("nbds://") {
+        "none".to_owned()
+    } else {
+        match &r.tls {
+            Some(session) => format!("kernel TLS, {session}"),
+            None => "kernel TLS".to_owned(),
+        }
+    })
 }
 
 /// What is wrong with a volume whose device the kernel has.
@@ -405,6 +422,7 @@ pub fn render(status: &Status) -> String {
         );
         for (what, value) in [
             ("export", d.export.clone()),
+            ("encryption", d.encryption.clone()),
             ("backend", d.backend.clone()),
             ("staging", d.staging_path.clone()),
         ] {
@@ -505,5 +523,30 @@ mod tests {
         r.phase = Phase::Attaching;
         r.device = None;
         assert!(record_row(&r).problems.is_empty());
+    }
+
+    #[test]
+    fn encryption_names_kernel_tls_and_its_session_or_none() {
+        let json = serde_json::json!({
+            "schema": 1, "volume_id": "v", "identifier": "ustor:n:v:01",
+            "export": {"uri": "nbd://h:10809/x", "connections": 1},
+            "device": 3, "staging_path": null, "access": {"kind": "block"},
+            "mode": "SINGLE_NODE_SINGLE_WRITER", "phase": {"step": "staged"},
+            "size_bytes": null, "targets": {}
+        });
+        let mut r: Record = serde_json::from_value(json).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(encryption(&r).as_deref(), Some("none"));
+        r.export = Some(crate::record::Export {
+            uri: "nbds://h:10809/x".into(),
+            connections: 1,
+            tls_profile: None,
+        });
+        r.tls = Some("TLSv1_3 TLS13_AES_256_GCM_SHA384".into());
+        assert_eq!(
+            encryption(&r).as_deref(),
+            Some("kernel TLS, TLSv1_3 TLS13_AES_256_GCM_SHA384")
+        );
+        r.export = None;
+        assert_eq!(encryption(&r), None);
     }
 }

@@ -48,36 +48,6 @@ async fn disconnect_behind_the_back(vol: &Volume, daemon: &NodeDaemon) {
         .unwrap();
 }
 
-/// `ustor-csi-node status --json` of `daemon`'s state: its exit code and its output.
-fn status_of(daemon: &NodeDaemon) -> (i32, serde_json::Value) {
-    let out = std::process::Command::new(testkit::daemon::binary())
-        .args([
-            "status",
-            "--json",
-            "--node-id",
-            &daemon.node_id,
-            "--state-dir",
-        ])
-        .arg(&daemon.state_dir)
-        .arg("--csi-endpoint")
-        .arg(format!("unix://{}", daemon.socket.display()))
-        .output()
-        .unwrap();
-    let json = serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
-    (out.status.code().unwrap_or(-1), json)
-}
-
-/// The device row of `volume` in a status.
-fn device_row<'a>(status: &'a serde_json::Value, volume: &str) -> &'a serde_json::Value {
-    status["devices"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|d| d["volume"] == volume)
-        .unwrap_or_else(|| panic!("no device row for {volume}: {status}"))
-}
-
 /// The fields of one entry in the journal's native protocol: `NAME=value` lines, or `NAME`,
 /// a 64-bit little-endian length and that many bytes of value.
 fn journal_fields(mut data: &[u8]) -> Vec<(String, String)> {

@@ -5,6 +5,11 @@
 
 #![allow(clippy::unwrap_used)] // a test fails by panicking
 
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
 use sha2::{Digest, Sha256};
 use testkit::csi::NodeClients;
 use testkit::daemon::NodeDaemon;
@@ -110,7 +115,33 @@ async fn tls_refusals_name_their_cause_and_leave_nothing_attached() {
     assert_eq!(err.code(), Code::FailedPrecondition, "{}", err.message());
     assert!(err.message().contains("TLS"), "{}", err.message());
 
-    assert!(plain.device(&daemon).is_none() && forged.device(&daemon).is_none());
+    // A server whose certificate expired, signed by the CA the node trusts (the node's files
+    // are replaced in place: they are read at every dial).
+    pki.replace_with(&TestPki::with_expired_server("ustor test CA").unwrap())
+        .unwrap();
+    let expired = Volume::new_tls(&daemon, "tls-expired", 16 * MIB, block(), &pki);
+    let err = expired.stage(&mut c).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{}", err.message());
+    assert!(
+        err.message().contains("certificate expired"),
+        "{}",
+        err.message()
+    );
+
+    // A volume naming a TLS profile this node does not define: refused before dialing.
+    let unprofiled = Volume::new_tls(&daemon, "tls-unprofiled", 16 * MIB, block(), &pki)
+        .with_tls_profile("nowhere");
+    let err = unprofiled.stage(&mut c).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{}", err.message());
+    assert!(
+        err.message().contains("[tls-profile.nowhere]"),
+        "{}",
+        err.message()
+    );
+
+    for vol in [&plain, &forged, &expired, &unprofiled] {
+        assert!(vol.device(&daemon).is_none(), "{} left a device", vol.id);
+    }
     assert_clean(&daemon);
 }
 
@@ -144,6 +175,166 @@ async fn a_dropped_tls_link_is_healed_and_rotated_certificates_are_used() {
         "the applications saw I/O errors"
     );
     assert_eq!(tls_counter("TlsDecryptError"), 0);
+    vol.down(&mut c).await;
+    assert_clean(&daemon);
+}
+
+/// The TCP connections the journal records for `volume` (local, peer).
+fn journaled_connections(
+    daemon: &NodeDaemon,
+    volume: &str,
+) -> Vec<(std::net::SocketAddr, std::net::SocketAddr)> {
+    daemon
+        .journal_files()
+        .iter()
+        .filter_map(|f| serde_json::from_slice::<serde_json::Value>(&std::fs::read(f).ok()?).ok())
+        .filter(|r| r["volume_id"] == volume)
+        .flat_map(|r| r["tcp"].as_array().cloned().unwrap_or_default())
+        .map(|c| {
+            (
+                c["local"].as_str().unwrap().parse().unwrap(),
+                c["peer"].as_str().unwrap().parse().unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root, the nbd and tls modules"]
+async fn a_tls_filesystem_on_four_connections_grows_heals_and_outlives_the_daemon() {
+    // The volume names a TLS profile, as the controller does for a uStor connection; the
+    // node's default TLS files belong to another CA and would be refused.
+    let pki = TestPki::new("connection CA").unwrap();
+    let other = TestPki::new("default CA").unwrap();
+    let config = format!(
+        "{CONFIG}{}{}",
+        other.node_config(),
+        pki.profile_config("lab")
+    );
+    let mut daemon = NodeDaemon::new("ktls-fs", &config).unwrap();
+    let mut c = daemon.start(None).await;
+    let sessions = tls_counter("TlsTxSw");
+    let mut vol = Volume::new_tls(&daemon, "tls-fs", 64 * MIB, ext4(), &pki)
+        .with_connections(4)
+        .with_tls_profile("lab");
+    vol.up(&mut c).await;
+    let errors = kernel_io_errors();
+    assert!(
+        tls_counter("TlsTxSw") >= sessions + 4,
+        "four kernel TLS sessions: {:?}",
+        tls_stat()
+    );
+    write_and_check_file(&vol.target, "before", 4 * MIB as usize, 70);
+
+    // status names the encryption.
+    let (code, status) = status_of(&daemon);
+    assert_eq!(code, 0, "{status}");
+    let encryption = device_row(&status, &vol.id)["encryption"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        encryption.starts_with("kernel TLS, TLSv1_3 TLS13_AES_"),
+        "{encryption}"
+    );
+
+    // Expansion replaces the four connections with new TLS handshakes.
+    vol.resize_backing(96 * MIB);
+    vol.expand(&mut c, 96 * MIB)
+        .await
+        .unwrap_or_else(|e| panic!("expand a TLS volume: {e:?}"));
+    assert!(fs_bytes(&vol.target) > 80 * MIB, "the filesystem grew");
+    write_and_check_file(&vol.target, "grown", 16 * MIB as usize, 71);
+
+    // A writer keeps writing and syncing while the links are cut under it, and while the
+    // daemon is killed and started again.
+    let stop = Arc::new(AtomicBool::new(false));
+    let written = Arc::new(AtomicU64::new(0));
+    let writer = {
+        let (file, stop, written) = (
+            vol.target.join("stream"),
+            Arc::clone(&stop),
+            Arc::clone(&written),
+        );
+        std::thread::spawn(move || -> std::io::Result<u64> {
+            let f = std::fs::File::create(&file)?;
+            let mut n = 0u64;
+            while !stop.load(Ordering::SeqCst) {
+                let at = (n % 32) * MIB;
+                f.write_all_at(&pattern(n, at, MIB as usize), at)?;
+                f.sync_data()?;
+                n += 1;
+                written.store(n, Ordering::SeqCst);
+            }
+            Ok(n)
+        })
+    };
+    let wait_writes = |more: u64| {
+        let written = Arc::clone(&written);
+        async move {
+            let target = written.load(Ordering::SeqCst) + more;
+            let started = std::time::Instant::now();
+            while written.load(Ordering::SeqCst) < target {
+                assert!(
+                    started.elapsed() < Duration::from_secs(60),
+                    "the writer stalled"
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    };
+    wait_writes(4).await;
+
+    // Every connection aborted (a reset on the wire, as a middlebox or a crashed peer
+    // leaves): the kernel reports them dead and the healer dials new TLS sessions.
+    let connections = journaled_connections(&daemon, &vol.id);
+    assert_eq!(connections.len(), 4, "{connections:?}");
+    for (local, peer) in &connections {
+        assert!(
+            nbd::sockdiag::destroy_tcp(*local, *peer).unwrap(),
+            "{local} -> {peer}"
+        );
+    }
+    wait_writes(8).await;
+
+    // The server restarts.
+    vol.server.kill();
+    vol.server.start().unwrap();
+    wait_writes(8).await;
+
+    // The daemon dies mid-write and comes back.
+    daemon.kill();
+    wait_writes(4).await;
+    let mut c = daemon.start(None).await;
+    wait_writes(4).await;
+
+    stop.store(true, Ordering::SeqCst);
+    let n = tokio::task::spawn_blocking(move || writer.join().unwrap())
+        .await
+        .unwrap()
+        .expect("the writer saw no I/O error");
+    assert_eq!(kernel_io_errors(), errors, "no I/O error in the kernel log");
+    assert_eq!(tls_counter("TlsDecryptError"), 0);
+    // The last 32 writes are what the file holds.
+    let data = std::fs::read(vol.target.join("stream")).unwrap();
+    for i in n.saturating_sub(32)..n {
+        let at = (i % 32) * MIB;
+        assert!(
+            data[at as usize..(at + MIB) as usize] == pattern(i, at, MIB as usize)[..],
+            "write {i} is intact"
+        );
+    }
+    for (name, seed, len) in [("before", 70, 4 * MIB), ("grown", 71, 16 * MIB)] {
+        assert!(
+            std::fs::read(vol.target.join(name)).unwrap() == pattern(seed, 0, len as usize),
+            "{name} is intact"
+        );
+    }
+
+    // The full lifecycle ends clean, and the volume stages again with its data.
+    vol.down(&mut c).await;
+    vol.up(&mut c).await;
+    assert!(std::fs::read(vol.target.join("before")).unwrap() == pattern(70, 0, 4 * MIB as usize));
     vol.down(&mut c).await;
     assert_clean(&daemon);
 }

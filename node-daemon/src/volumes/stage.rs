@@ -74,6 +74,7 @@ impl Node {
                     fs_uuid: None,
                     rebuilt: false,
                     tcp: Vec::new(),
+                    tls: None,
                 }
             }
         };
@@ -312,6 +313,7 @@ impl Node {
                     "attached"
                 );
                 let (index, size) = (attached.device.index(), attached.info.size);
+                record.tls = attached.info.tls.map(|t| t.to_string());
                 self.held
                     .attached(&record.volume_id, &record.identifier, attached.sockets);
                 (index, size)

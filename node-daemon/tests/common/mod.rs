@@ -32,6 +32,8 @@ pub struct Volume {
     pub connections: Option<u8>,
     /// Served over TLS (`nbds://`).
     pub tls: bool,
+    /// `tlsProfile` in the volume context.
+    pub tls_profile: Option<String>,
 }
 
 impl Volume {
@@ -115,7 +117,14 @@ impl Volume {
             cap,
             connections: None,
             tls: false,
+            tls_profile: None,
         }
+    }
+
+    /// The export is dialed with the node's TLS profile `name`.
+    pub fn with_tls_profile(mut self, name: &str) -> Self {
+        self.tls_profile = Some(name.to_owned());
+        self
     }
 
     /// The export is attached with `n` connections.
@@ -129,8 +138,12 @@ impl Volume {
         mut req: R,
         context: impl FnOnce(&mut R) -> &mut std::collections::HashMap<String, String>,
     ) -> R {
+        let ctx = context(&mut req);
         if let Some(n) = self.connections {
-            context(&mut req).insert("nbdConnections".into(), n.to_string());
+            ctx.insert("nbdConnections".into(), n.to_string());
+        }
+        if let Some(p) = &self.tls_profile {
+            ctx.insert("tlsProfile".into(), p.clone());
         }
         req
     }
@@ -351,4 +364,34 @@ pub fn sparse_copy(from: &Path, to: &Path) {
 pub fn fs_bytes(path: &Path) -> u64 {
     let st = nix::sys::statvfs::statvfs(path).unwrap();
     st.blocks() * st.fragment_size()
+}
+
+/// `ustor-csi-node status --json` of `daemon`'s state: its exit code and its output.
+pub fn status_of(daemon: &NodeDaemon) -> (i32, serde_json::Value) {
+    let out = std::process::Command::new(testkit::daemon::binary())
+        .args([
+            "status",
+            "--json",
+            "--node-id",
+            &daemon.node_id,
+            "--state-dir",
+        ])
+        .arg(&daemon.state_dir)
+        .arg("--csi-endpoint")
+        .arg(format!("unix://{}", daemon.socket.display()))
+        .output()
+        .unwrap();
+    let json = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
+    (out.status.code().unwrap_or(-1), json)
+}
+
+/// The device row of `volume` in a status.
+pub fn device_row<'a>(status: &'a serde_json::Value, volume: &str) -> &'a serde_json::Value {
+    status["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["volume"] == volume)
+        .unwrap_or_else(|| panic!("no device row for {volume}: {status}"))
 }

@@ -40,7 +40,8 @@ impl NodeDaemon {
         let metrics = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
         std::fs::write(
             &config_path,
-            format!("{config}\nmetrics-address = \"{metrics}\"\n"),
+            // Top-level keys before `config`, which may end in a table.
+            format!("metrics-address = \"{metrics}\"\n{config}\n"),
         )?;
         Ok(Self {
             node_id: node_id.to_owned(),

@@ -23,6 +23,15 @@ fn other(e: impl std::fmt::Display) -> io::Error {
 impl TestPki {
     /// A CA named `ca_name` and certificates for 127.0.0.1/localhost and a client.
     pub fn new(ca_name: &str) -> io::Result<Self> {
+        Self::build(ca_name, false)
+    }
+
+    /// As [`TestPki::new`], but the server's certificate expired years ago.
+    pub fn with_expired_server(ca_name: &str) -> io::Result<Self> {
+        Self::build(ca_name, true)
+    }
+
+    fn build(ca_name: &str, expired_server: bool) -> io::Result<Self> {
         let dir = tempfile::Builder::new().prefix("pki").tempdir()?;
         let ca_key = KeyPair::generate().map_err(other)?;
         let mut ca = CertificateParams::new(Vec::<String>::new()).map_err(other)?;
@@ -49,6 +58,10 @@ impl TestPki {
             let mut params = CertificateParams::new(sans).map_err(other)?;
             params.distinguished_name.push(DnType::CommonName, name);
             params.extended_key_usages = vec![usage];
+            if expired_server && name == "server" {
+                params.not_before = rcgen::date_time_ymd(2020, 1, 1);
+                params.not_after = rcgen::date_time_ymd(2021, 1, 1);
+            }
             let cert = params.signed_by(&key, &issuer).map_err(other)?;
             std::fs::write(dir.path().join(format!("{name}-cert.pem")), cert.pem())?;
             std::fs::write(
@@ -89,6 +102,16 @@ impl TestPki {
             std::fs::copy(other.file(name), self.file(name))?;
         }
         Ok(())
+    }
+
+    /// A `[tls-profile.<name>]` table of the node configuration with these files.
+    pub fn profile_config(&self, name: &str) -> String {
+        format!(
+            "[tls-profile.{name}]\nca-file = \"{}\"\ncert-file = \"{}\"\nkey-file = \"{}\"\n",
+            self.file("ca-cert.pem").display(),
+            self.file("client-cert.pem").display(),
+            self.file("client-key.pem").display()
+        )
     }
 
     /// Node configuration lines (TOML) pointing the daemon at the CA and client files.
