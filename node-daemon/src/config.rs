@@ -291,6 +291,27 @@ mod tests {
         assert!(toml::from_str::<FileConfig>("[tls-profile.x]\ncert-file = \"/c\"\n").is_err());
     }
 
+    /// Every setting the packaged example shows, uncommented, is one the daemon reads.
+    #[test]
+    fn the_packaged_example_names_only_real_settings() {
+        let example = include_str!("../../packaging/etc/node.toml");
+        let uncommented: String = example
+            .lines()
+            .filter_map(|l| l.strip_prefix("# "))
+            .filter(|l| {
+                l.starts_with("[tls-profile.")
+                    || l.split_once(" = ").is_some_and(|(k, _)| {
+                        !k.is_empty() && k.chars().all(|c| c.is_ascii_lowercase() || c == '-')
+                    })
+            })
+            .map(|l| format!("{l}\n"))
+            .collect();
+        assert!(uncommented.contains("tls-ca-file"), "{uncommented}");
+        let f: FileConfig =
+            toml::from_str(&uncommented).unwrap_or_else(|e| panic!("{e}\n{uncommented}"));
+        assert!(f.tls_profile.contains_key("main"));
+    }
+
     #[test]
     fn missing_default_file_is_fine_missing_named_file_is_not() {
         assert!(FileConfig::load(Path::new("/nonexistent/node.toml"), false).is_ok());

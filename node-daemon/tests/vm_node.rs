@@ -462,6 +462,7 @@ async fn rwx_block_is_staged_on_two_nodes_rwx_mount_is_refused() {
         connections: None,
         tls: false,
         tls_profile: None,
+        via: None,
     };
     std::fs::create_dir_all(&vol_b.staging).unwrap();
     vol_a.up(&mut a).await;

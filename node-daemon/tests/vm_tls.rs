@@ -338,3 +338,55 @@ async fn a_tls_filesystem_on_four_connections_grows_heals_and_outlives_the_daemo
     vol.down(&mut c).await;
     assert_clean(&daemon);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root, the nbd and tls modules"]
+async fn a_tls_key_update_the_kernel_cannot_take_is_healed_unseen() {
+    let pki = TestPki::new("ustor test CA").unwrap();
+    let (daemon, mut c) = daemon_trusting("ktls-rekey", &pki).await;
+    // nbdkit cannot send a KeyUpdate: a TLS-terminating proxy in front of it can.
+    let mut vol = Volume::new_on(&daemon, "tls-rekey", 32 * MIB, block(), Listen::Tcp);
+    let nbd::uri::Endpoint::Tcp { port, .. } = vol.server.uri().endpoint().clone() else {
+        unreachable!()
+    };
+    let proxy = testkit::tls_proxy::TlsTerminatingProxy::start(([127, 0, 0, 1], port).into(), &pki)
+        .await
+        .unwrap();
+    vol.via = Some(proxy.uri("").to_string());
+    vol.up(&mut c).await;
+    let errors = kernel_io_errors();
+    direct_round_trip(&vol, 0, 4 * MIB as usize, 80);
+    assert_eq!(proxy.accepted(), 1);
+
+    // The server side refreshes its keys; the kernel's TLS cannot read a KeyUpdate record,
+    // so the link dies, and the healer hands the kernel a new session. Applications see
+    // I/O wait, never fail, and read what they wrote.
+    for round in 0..3u64 {
+        let accepted = proxy.accepted();
+        proxy.key_update();
+        direct_round_trip(&vol, (4 + 4 * round) * MIB, 4 * MIB as usize, 81 + round);
+        let started = std::time::Instant::now();
+        while proxy.accepted() == accepted {
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "no new TLS session after KeyUpdate {round}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    assert_eq!(
+        kernel_io_errors(),
+        errors,
+        "the applications saw I/O errors"
+    );
+    assert_eq!(tls_counter("TlsDecryptError"), 0);
+    let metrics = daemon.scrape().await;
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("ustor_csi_node_link_dead_events_total ") && !l.ends_with(" 0")),
+        "the dead links were heard: {metrics}"
+    );
+    vol.down(&mut c).await;
+    assert_clean(&daemon);
+}

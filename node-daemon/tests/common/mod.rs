@@ -34,6 +34,8 @@ pub struct Volume {
     pub tls: bool,
     /// `tlsProfile` in the volume context.
     pub tls_profile: Option<String>,
+    /// The URI nodes are given, when not the server's own (a proxy in front of it).
+    pub via: Option<String>,
 }
 
 impl Volume {
@@ -118,6 +120,7 @@ impl Volume {
             connections: None,
             tls: false,
             tls_profile: None,
+            via: None,
         }
     }
 
@@ -149,6 +152,9 @@ impl Volume {
     }
 
     pub fn uri(&self) -> String {
+        if let Some(via) = &self.via {
+            return via.clone();
+        }
         let uri = self.server.uri();
         if self.tls { uri.with_tls() } else { uri }.to_string()
     }

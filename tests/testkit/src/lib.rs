@@ -13,6 +13,7 @@ pub mod placement;
 pub mod proxy;
 mod server;
 pub mod tls;
+pub mod tls_proxy;
 
 pub use direct::{pattern, AlignedBuf, DirectFile};
 pub use server::{Listen, NbdServer, ServerKind};
