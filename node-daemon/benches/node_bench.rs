@@ -16,7 +16,6 @@ use std::time::{Duration, Instant};
 
 use csi_proto::csi::volume_capability::access_mode::Mode;
 use nbd::sysfs::Sysfs;
-use nbd::DeviceIndex;
 use testkit::csi::*;
 use testkit::daemon::NodeDaemon;
 use testkit::{pattern, DirectFile, Listen, NbdServer};
@@ -90,39 +89,11 @@ async fn attach_latency(server: &NbdServer) {
             .unwrap();
 
         // nbd-client on the first free device, timed to "device ready" like NodeStage.
-        let index = sysfs
-            .devices()
-            .unwrap()
-            .into_iter()
-            .find(|i| sysfs.backend(*i).unwrap().is_none() && sysfs.size_bytes(*i).unwrap() == 0)
-            .unwrap_or(DeviceIndex(0));
-        let dev = sysfs.dev_path(index);
+        let index = testkit::nbd_client::free_device(&sysfs);
         let t = Instant::now();
-        let out = Command::new("nbd-client")
-            .args(["-N", "bench", "127.0.0.1", &port.to_string()])
-            .arg(&dev)
-            .args(["-b", "512"])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        sysfs
-            .wait_ready(index, SIZE, Duration::from_secs(10))
-            .await
-            .unwrap();
+        testkit::nbd_client::attach(&sysfs, index, "bench", port, &["-b", "512"], SIZE).await;
         client.push(t.elapsed());
-        assert!(Command::new("nbd-client")
-            .arg("-d")
-            .arg(&dev)
-            .status()
-            .unwrap()
-            .success());
-        while sysfs.size_bytes(index).unwrap() != 0 {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        testkit::nbd_client::detach(&sysfs, index).await;
     }
     let (n, m) = (median(&mut node), median(&mut client));
     println!("attach, {RUNS} runs each, median (call to device ready):");

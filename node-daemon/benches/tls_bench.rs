@@ -12,13 +12,11 @@
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use csi_proto::csi::volume_capability::access_mode::Mode;
 use nbd::sysfs::Sysfs;
-use nbd::DeviceIndex;
 use testkit::csi::*;
 use testkit::daemon::NodeDaemon;
 use testkit::tls::TestPki;
@@ -161,48 +159,35 @@ fn device_of(volume: &str) -> PathBuf {
 /// `nbd-client` with GnuTLS on the first free device, measures, disconnects.
 async fn through_nbd_client(port: u16, pki: &TestPki, connections: u8) -> Figures {
     let sysfs = Sysfs::default();
-    let index = sysfs
-        .devices()
-        .unwrap()
-        .into_iter()
-        .find(|i| sysfs.backend(*i).unwrap().is_none() && sysfs.size_bytes(*i).unwrap() == 0)
-        .unwrap_or(DeviceIndex(0));
-    let dev = sysfs.dev_path(index);
-    let out = Command::new("nbd-client")
-        .args(["-N", "bench", "127.0.0.1", &port.to_string()])
-        .arg(&dev)
-        .args(["-b", "512", "-C", &connections.to_string(), "-x"])
-        .arg("-certfile")
-        .arg(pki.file("client-cert.pem"))
-        .arg("-keyfile")
-        .arg(pki.file("client-key.pem"))
-        .arg("-cacertfile")
-        .arg(pki.file("ca-cert.pem"))
-        .args(["-tlshostname", "127.0.0.1"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "nbd-client with TLS: {}",
-        String::from_utf8_lossy(&out.stderr)
+    let index = testkit::nbd_client::free_device(&sysfs);
+    let connections = connections.to_string();
+    let (cert, key, ca) = (
+        pki.file("client-cert.pem"),
+        pki.file("client-key.pem"),
+        pki.file("ca-cert.pem"),
     );
-    sysfs
-        .wait_ready(index, SIZE, Duration::from_secs(20))
+    // nbd-client 3.24 takes only the long names of its TLS options.
+    let options: [&std::ffi::OsStr; 13] = [
+        "-b".as_ref(),
+        "512".as_ref(),
+        "-C".as_ref(),
+        connections.as_ref(),
+        "-x".as_ref(),
+        "-certfile".as_ref(),
+        cert.as_ref(),
+        "-keyfile".as_ref(),
+        key.as_ref(),
+        "-cacertfile".as_ref(),
+        ca.as_ref(),
+        "-tlshostname".as_ref(),
+        "127.0.0.1".as_ref(),
+    ];
+    testkit::nbd_client::attach(&sysfs, index, "bench", port, &options, SIZE).await;
+    let dev = sysfs.dev_path(index);
+    let figures = tokio::task::spawn_blocking(move || measure(&dev))
         .await
         .unwrap();
-    let measured = dev.clone();
-    let figures = tokio::task::spawn_blocking(move || measure(&measured))
-        .await
-        .unwrap();
-    assert!(Command::new("nbd-client")
-        .arg("-d")
-        .arg(&dev)
-        .status()
-        .unwrap()
-        .success());
-    while sysfs.size_bytes(index).unwrap() != 0 {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    testkit::nbd_client::detach(&sysfs, index).await;
     figures
 }
 

@@ -1301,20 +1301,7 @@ async fn calls_made_while_the_export_is_down_answer_and_an_expansion_outlives_it
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     vol.server.kill();
-    let outage = Instant::now();
-    while outage.elapsed() < Duration::from_secs(3) {
-        promptly("Probe", c.identity.probe(ProbeRequest {}))
-            .await
-            .unwrap();
-        promptly(
-            "NodeGetVolumeStats",
-            c.node
-                .node_get_volume_stats(stats_request(&vol.id, &vol.target)),
-        )
-        .await
-        .unwrap();
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    keeps_answering(&mut c, &vol, Duration::from_secs(3)).await;
     assert!(!expand.is_finished(), "the growth waits for the export");
     vol.server.start().unwrap();
     let grown = tokio::time::timeout(Duration::from_secs(60), expand)

@@ -306,14 +306,15 @@ impl Node {
                 let attached = attach::attach_dialed(&self.nl, &self.sysfs, dialed, &opts)
                     .await
                     .map_err(no_free_device)?;
+                record.tls = attached.info.tls.map(|t| t.to_string());
                 tracing::info!(
                     volume = %record.volume_id,
                     device = %attached.device.index(),
                     connections = attached.sockets.len(),
+                    encryption = record.tls.as_deref().unwrap_or("none"),
                     "attached"
                 );
                 let (index, size) = (attached.device.index(), attached.info.size);
-                record.tls = attached.info.tls.map(|t| t.to_string());
                 self.held
                     .attached(&record.volume_id, &record.identifier, attached.sockets);
                 (index, size)

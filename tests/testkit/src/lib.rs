@@ -9,6 +9,7 @@ pub mod daemon;
 mod direct;
 pub mod fake_ustor;
 pub mod kube_cluster;
+pub mod nbd_client;
 pub mod placement;
 pub mod proxy;
 mod server;
