@@ -207,9 +207,10 @@ async fn a_tls_filesystem_on_four_connections_grows_heals_and_outlives_the_daemo
     let pki = TestPki::new("connection CA").unwrap();
     let other = TestPki::new("default CA").unwrap();
     let config = format!(
-        "{CONFIG}{}{}",
+        "{CONFIG}{}{}{}",
         other.node_config(),
-        pki.profile_config("lab")
+        pki.profile_config("lab"),
+        pki.profile_config("renamed")
     );
     let mut daemon = NodeDaemon::new("ktls-fs", &config).unwrap();
     let mut c = daemon.start(None).await;
@@ -236,6 +237,20 @@ async fn a_tls_filesystem_on_four_connections_grows_heals_and_outlives_the_daemo
     assert!(
         encryption.starts_with("kernel TLS, TLSv1_3 TLS13_AES_"),
         "{encryption}"
+    );
+
+    // A repeated NodeStage naming another profile (a controller upgraded to name them): the
+    // journal takes it, and every later dial below uses it.
+    vol.tls_profile = Some("renamed".into());
+    vol.stage(&mut c).await.unwrap();
+    let records: Vec<serde_json::Value> = daemon
+        .journal_files()
+        .iter()
+        .map(|f| serde_json::from_slice(&std::fs::read(f).unwrap()).unwrap())
+        .collect();
+    assert_eq!(
+        records[0]["export"]["tls_profile"], "renamed",
+        "{records:?}"
     );
 
     // Expansion replaces the four connections with new TLS handshakes.

@@ -185,6 +185,14 @@ impl Node {
                     req.volume, e.uri, req.export.uri
                 )))
             }
+            Some(e) if e.tls_profile != req.export.tls_profile => {
+                // The profile names where the files of the next dial are, nothing attached
+                // now: the CO's current word is taken (a controller upgraded to name it).
+                if let Some(e) = record.export.as_mut() {
+                    e.tls_profile = req.export.tls_profile.clone();
+                }
+                self.save(&record)?;
+            }
             Some(_) => {}
             None => {
                 // A record rebuilt from kernel facts learns its export here.
