@@ -298,10 +298,10 @@ fn serve(args: ServeArgs) -> Result<()> {
                 .as_ref()
                 .map(|g| Arc::new(g.nodes.clone()) as Arc<dyn Nodes>);
             if let Some(glue) = &glue {
-                let sessions = Arc::clone(&glue.connections.sessions);
+                let directory = glue.connections.clone();
                 figures = figures
                     .with_collector(glue.phases.clone())
-                    .with_collector(LoginStates(Box::new(move || sessions.login_states())));
+                    .with_collector(LoginStates(Box::new(move || directory.login_states())));
             }
             let result = controller_shim::server::serve(
                 &socket, backend, cluster_id, metrics, figures, nodes, stop,

@@ -1022,14 +1022,45 @@ async fn volumes_of_two_connections_live_on_their_own_ustor_clusters() {
     })
     .await
     .unwrap();
-    for id in &ids {
-        csi.delete_volume(DeleteVolumeRequest {
-            volume_id: id.clone(),
-        })
+    csi.delete_volume(DeleteVolumeRequest {
+        volume_id: ids[0].clone(),
+    })
+    .await
+    .unwrap();
+    assert!(alpha.images().is_empty());
+
+    // A deleted connection's session goes with it: its volumes are refused with the reason,
+    // not served by a login nobody manages any more, and its images are left alone.
+    connections
+        .delete("beta", &DeleteParams::default())
         .await
         .unwrap();
-    }
-    assert!(alpha.images().is_empty() && beta.images().is_empty());
+    let refused = eventually("beta's volumes refused", Duration::from_secs(20), || {
+        let mut csi = csi.clone();
+        let id = ids[1].clone();
+        let cap = cap.clone();
+        async move {
+            csi.validate_volume_capabilities(ValidateVolumeCapabilitiesRequest {
+                volume_id: id,
+                volume_capabilities: vec![cap],
+                ..Default::default()
+            })
+            .await
+            .err()
+        }
+    })
+    .await;
+    assert_eq!(
+        refused.code(),
+        tonic::Code::FailedPrecondition,
+        "{refused:?}"
+    );
+    assert!(
+        refused.message().contains("beta does not exist"),
+        "{}",
+        refused.message()
+    );
+    assert_eq!(beta.images(), ["data/k8s-pvc-sc-beta"]);
     server.abort();
 }
 

@@ -78,8 +78,31 @@ pub struct Directory {
     pub connections: kube::runtime::reflector::Store<MindUstorStorageConnection>,
 }
 
+impl Directory {
+    /// Drops the sessions of connections that no longer exist. Deletion is not reconciled
+    /// (there is no finalizer: a deleted connection holds nothing to clean up in uStor), so
+    /// the session of a deleted connection would otherwise live, logged in, for ever.
+    fn prune(&self) {
+        let live: std::collections::HashSet<String> = self
+            .connections
+            .state()
+            .iter()
+            .filter(|c| c.metadata.deletion_timestamp.is_none())
+            .map(|c| c.name_any())
+            .collect();
+        self.sessions.lock().retain(|name, _| live.contains(name));
+    }
+
+    /// Each existing connection's login state, for metrics.
+    pub fn login_states(&self) -> Vec<(String, &'static str)> {
+        self.prune();
+        self.sessions.login_states()
+    }
+}
+
 impl ConnectionDirectory for Directory {
     fn api(&self, connection: &str) -> Result<Arc<UstorApi>, ControllerError> {
+        self.prune();
         if let Some(session) = self.sessions.get(connection) {
             return Ok(Arc::clone(&session.api));
         }
