@@ -160,12 +160,10 @@ impl Settings {
             f.tls_cert_file.is_some() || f.tls_key_file.is_some(),
         ) {
             (Some(ca), _) => {
-                self.tls = Some(tls_files(
-                    ca,
-                    f.tls_cert_file,
-                    f.tls_key_file,
-                    f.tls_server_name,
-                )?)
+                self.tls = Some(
+                    tls_files(ca, f.tls_cert_file, f.tls_key_file, f.tls_server_name)
+                        .map_err(|e| anyhow::anyhow!("tls-cert-file, tls-key-file: {e}"))?,
+                )
             }
             (None, true) => anyhow::bail!(
                 "tls-cert-file and tls-key-file need tls-ca-file (the CA that signs the servers)"
@@ -190,7 +188,7 @@ fn tls_files(
     server_name: Option<String>,
 ) -> anyhow::Result<std::sync::Arc<nbd::tls::TlsFiles>> {
     if client_cert.is_some() != client_key.is_some() {
-        anyhow::bail!("a client certificate and its key are set together (cert-file and key-file)");
+        anyhow::bail!("a client certificate and its key are set together, or neither");
     }
     Ok(std::sync::Arc::new(nbd::tls::TlsFiles {
         ca,
