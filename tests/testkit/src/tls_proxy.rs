@@ -1,6 +1,6 @@
 //! An NBD proxy that terminates TLS in front of a plaintext nbdkit: the one thing nbdkit cannot
 //! do is send a TLS 1.3 KeyUpdate when a test asks, and a KeyUpdate is a record kernel TLS
-//! (before 6.14) cannot take. The proxy passes the newstyle greeting through, answers the
+//! on 6.1 and 6.12 cannot take. The proxy passes the newstyle greeting through, answers the
 //! client's `NBD_OPT_STARTTLS` itself, does the TLS handshake as the server (rustls, with the
 //! test PKI's server certificate), and then relays the decrypted option haggling and
 //! transmission to nbdkit byte for byte.
