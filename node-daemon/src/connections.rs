@@ -114,7 +114,7 @@ pub async fn offer_new_connections(
         ))
     })?;
     let uri = crate::node::export_uri(&export)?;
-    let dialed = nbd::dial::dial(&uri, &node.dial_options(&export)).await?;
+    let dialed = nbd::dial::dial(&uri, &node.dial_options(&export)?).await?;
     let volume = record.volume_id.as_str();
     let _link = node.link_locks.lock(volume).await;
     if node.is_detaching(volume) {

@@ -297,23 +297,37 @@ impl Node {
         Some(found)
     }
 
-    pub(crate) fn attach_options(&self, identifier: BackendId, export: &Export) -> AttachOptions {
+    pub(crate) fn attach_options(
+        &self,
+        identifier: BackendId,
+        export: &Export,
+    ) -> Result<AttachOptions, NodeError> {
         let mut opts = AttachOptions::new(identifier);
-        opts.dial = self.dial_options(export);
+        opts.dial = self.dial_options(export)?;
         opts.io_timeout = Some(self.settings.io_timeout);
         opts.dead_conn_timeout = self.settings.dead_conn_timeout;
-        opts
+        Ok(opts)
     }
 
-    pub(crate) fn dial_options(&self, export: &Export) -> DialOptions {
-        DialOptions {
+    /// How `export` is dialed. A TLS profile this node does not define is refused here, for
+    /// every dial (stage, expansion, healing), naming the table to add: dialing without it
+    /// would only say that TLS files are missing.
+    pub(crate) fn dial_options(&self, export: &Export) -> Result<DialOptions, NodeError> {
+        let tls = match &export.tls_profile {
+            None => self.settings.tls.clone(),
+            Some(name) => Some(self.settings.tls_profiles.get(name).cloned().ok_or_else(|| {
+                NodeError::FailedPrecondition(format!(
+                    "the volume's export {} asks for TLS profile {name:?}, which this node does not define: \
+                     add [tls-profile.{name}] with its ca-file, cert-file and key-file to the node's configuration",
+                    export.uri
+                ))
+            })?),
+        };
+        Ok(DialOptions {
             deadline: self.settings.dial_timeout,
             connections: export.connections,
-            tls: match &export.tls_profile {
-                None => self.settings.tls.clone(),
-                Some(name) => self.settings.tls_profiles.get(name).cloned(),
-            },
-        }
+            tls,
+        })
     }
 
     /// The device of a record, proven to carry the record's identifier. If the record's index

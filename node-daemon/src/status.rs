@@ -262,7 +262,8 @@ fn device_row(
 /// How a record's connections are protected, when its export is known.
 fn encryption(r: &Record) -> Option<String> {
     let export = r.export.as_ref()?;
-    Some(if !export.uri.starts_with("nbds://") {
+    let tls = export.uri.parse::<nbd::NbdUri>().is_ok_and(|u| u.tls());
+    Some(if !tls {
         "none".to_owned()
     } else {
         match &r.tls {

@@ -143,7 +143,7 @@ impl ControllerService {
         if let Some(n) = meta.parameters.get("nbdConnections") {
             context.insert("nbdConnections".into(), n.clone());
         }
-        if uri.starts_with("nbds://") {
+        if uri.parse::<nbd::NbdUri>().is_ok_and(|u| u.tls()) {
             if let Some(profile) = self.backend.tls_profile(image) {
                 context.insert("tlsProfile".into(), profile);
             }

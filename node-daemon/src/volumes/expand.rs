@@ -61,7 +61,7 @@ impl Node {
             ))
         })?;
         let (info, _probe_socket) =
-            nbd::dial::dial_one(&export_uri(&export)?, &self.dial_options(&export)).await?;
+            nbd::dial::dial_one(&export_uri(&export)?, &self.dial_options(&export)?).await?;
         if let Some(required) = req.required_bytes {
             if info.size < required {
                 return Err(NodeError::FailedPrecondition(format!(
@@ -257,9 +257,9 @@ impl Node {
             let old_gone = !old.iter().any(|c| live.contains(c))
                 && !self.held.holds_any(&record.volume_id, &old_held);
             // Read only over a live new connection: with none, the read would wait for the
-            // export as long as the dead-connection timeout, and if that ran out the kernel
-            // would fail every later request (the thaw's superblock write among them) until
-            // the next reconnect. A frozen filesystem with no I/O in flight loses nothing.
+            // export as long as the dead-connection timeout, and when that ran out the kernel
+            // failed the requests queued behind it too (the thaw's superblock write, and ext4
+            // aborted its journal). A frozen filesystem with no I/O in flight loses nothing.
             let new_live =
                 !live.is_empty() || self.held.holds_other_than(&record.volume_id, &old_held);
             if old_gone && new_live {

@@ -37,7 +37,6 @@ const MAX_STEPS: usize = 12;
 impl Node {
     pub async fn stage(&self, req: StageRequest) -> Result<(), NodeError> {
         self.ensure_ready()?;
-        self.refuse_unknown_tls_profile(&req.export)?;
         let _guard = self
             .locks
             .lock_within(req.volume.as_str(), self.settings.call_patience)
@@ -120,21 +119,6 @@ impl Node {
         }
     }
 
-    /// A volume naming a TLS profile this node does not define is refused before anything is
-    /// dialed, naming the profile and where it is defined.
-    fn refuse_unknown_tls_profile(&self, export: &Export) -> Result<(), NodeError> {
-        match &export.tls_profile {
-            Some(name) if !self.settings.tls_profiles.contains_key(name) => {
-                Err(NodeError::FailedPrecondition(format!(
-                    "the volume's export {} asks for TLS profile {name:?}, which this node does not define: \
-                     add [tls-profile.{name}] with its ca-file, cert-file and key-file to the node's configuration",
-                    export.uri
-                )))
-            }
-            _ => Ok(()),
-        }
-    }
-
     /// Two volume ids naming one export (static PVs) must not both be used on this node: two
     /// mounts of one filesystem from two devices corrupt it, and a filesystem mounted while
     /// the same disk is written raw elsewhere on the node is no better. One export, one
@@ -187,7 +171,9 @@ impl Node {
             }
             Some(e) if e.tls_profile != req.export.tls_profile => {
                 // The profile names where the files of the next dial are, nothing attached
-                // now: the CO's current word is taken (a controller upgraded to name it).
+                // now: the CO's current word is taken (a controller upgraded to name it),
+                // if this node defines it.
+                self.dial_options(&req.export)?;
                 if let Some(e) = record.export.as_mut() {
                     e.tls_profile = req.export.tls_profile.clone();
                 }
@@ -302,7 +288,7 @@ impl Node {
             }
             None => {
                 let uri = export_uri(&export)?;
-                let mut opts = self.attach_options(id, &export);
+                let mut opts = self.attach_options(id, &export)?;
                 opts.read_only = record.mode.read_only();
                 let dialed = nbd::dial::dial(&uri, &opts.dial).await?;
                 check_export_size(&record.volume_id, dialed.info.size)?;
