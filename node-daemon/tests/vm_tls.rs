@@ -184,12 +184,11 @@ fn journaled_connections(
     daemon: &NodeDaemon,
     volume: &str,
 ) -> Vec<(std::net::SocketAddr, std::net::SocketAddr)> {
-    daemon
-        .journal_files()
+    journal_record(daemon, volume)["tcp"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
         .iter()
-        .filter_map(|f| serde_json::from_slice::<serde_json::Value>(&std::fs::read(f).ok()?).ok())
-        .filter(|r| r["volume_id"] == volume)
-        .flat_map(|r| r["tcp"].as_array().cloned().unwrap_or_default())
         .map(|c| {
             (
                 c["local"].as_str().unwrap().parse().unwrap(),
@@ -243,15 +242,8 @@ async fn a_tls_filesystem_on_four_connections_grows_heals_and_outlives_the_daemo
     // journal takes it, and every later dial below uses it.
     vol.tls_profile = Some("renamed".into());
     vol.stage(&mut c).await.unwrap();
-    let records: Vec<serde_json::Value> = daemon
-        .journal_files()
-        .iter()
-        .map(|f| serde_json::from_slice(&std::fs::read(f).unwrap()).unwrap())
-        .collect();
-    assert_eq!(
-        records[0]["export"]["tls_profile"], "renamed",
-        "{records:?}"
-    );
+    let record = journal_record(&daemon, &vol.id);
+    assert_eq!(record["export"]["tls_profile"], "renamed", "{record}");
 
     // Expansion replaces the four connections with new TLS handshakes.
     vol.resize_backing(96 * MIB);

@@ -401,3 +401,13 @@ pub fn device_row<'a>(status: &'a serde_json::Value, volume: &str) -> &'a serde_
         .find(|d| d["volume"] == volume)
         .unwrap_or_else(|| panic!("no device row for {volume}: {status}"))
 }
+
+/// The journal record of `volume`, as JSON.
+pub fn journal_record(daemon: &NodeDaemon, volume: &str) -> serde_json::Value {
+    daemon
+        .journal_files()
+        .iter()
+        .filter_map(|f| serde_json::from_slice::<serde_json::Value>(&std::fs::read(f).ok()?).ok())
+        .find(|r| r["volume_id"] == volume)
+        .unwrap_or_else(|| panic!("no journal record of {volume}"))
+}

@@ -106,18 +106,18 @@ impl TestPki {
 
     /// A `[tls-profile.<name>]` table of the node configuration with these files.
     pub fn profile_config(&self, name: &str) -> String {
-        format!(
-            "[tls-profile.{name}]\nca-file = \"{}\"\ncert-file = \"{}\"\nkey-file = \"{}\"\n",
-            self.file("ca-cert.pem").display(),
-            self.file("client-cert.pem").display(),
-            self.file("client-key.pem").display()
-        )
+        format!("[tls-profile.{name}]\n{}", self.file_keys(""))
     }
 
     /// Node configuration lines (TOML) pointing the daemon at the CA and client files.
     pub fn node_config(&self) -> String {
+        self.file_keys("tls-")
+    }
+
+    /// `<prefix>ca-file`, `<prefix>cert-file` and `<prefix>key-file` lines naming these files.
+    fn file_keys(&self, prefix: &str) -> String {
         format!(
-            "tls-ca-file = \"{}\"\ntls-cert-file = \"{}\"\ntls-key-file = \"{}\"\n",
+            "{prefix}ca-file = \"{}\"\n{prefix}cert-file = \"{}\"\n{prefix}key-file = \"{}\"\n",
             self.file("ca-cert.pem").display(),
             self.file("client-cert.pem").display(),
             self.file("client-key.pem").display()
