@@ -397,3 +397,50 @@ async fn a_tls_key_update_the_kernel_cannot_take_is_healed_unseen() {
     vol.down(&mut c).await;
     assert_clean(&daemon);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root, the nbd and tls modules"]
+async fn a_tls_stage_whose_server_dies_mid_call_answers_and_heals() {
+    let pki = TestPki::new("ustor test CA").unwrap();
+    let mut daemon =
+        NodeDaemon::new("ktls-midstage", &format!("{CONFIG}{}", pki.node_config())).unwrap();
+    // A window after the TLS handshakes, before the kernel gets the sockets.
+    let mut c = daemon.start(Some("stage-before-connect=pause(2000)")).await;
+    let mut vol = Volume::new_tls(&daemon, "tls-midstage", 32 * MIB, block(), &pki);
+    let errors = kernel_io_errors();
+    let stage = {
+        let mut node = c.node.clone();
+        let req = testkit::csi::stage_request(&vol.id, &vol.staging, vol.cap.clone(), &vol.uri());
+        tokio::spawn(async move { node.node_stage_volume(req).await })
+    };
+    daemon.wait_paused("stage-before-connect").await;
+    vol.server.kill();
+    // The daemon answers while the call goes on with sockets whose server is gone.
+    let started = std::time::Instant::now();
+    while started.elapsed() < Duration::from_secs(3) {
+        let t = std::time::Instant::now();
+        c.identity
+            .probe(csi_proto::csi::ProbeRequest {})
+            .await
+            .unwrap();
+        assert!(
+            t.elapsed() < Duration::from_secs(1),
+            "Probe took {:?}",
+            t.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // The kernel takes the dead sockets; the healer dials new TLS sessions once the server
+    // is back, and the volume works with nothing lost.
+    let staged = tokio::time::timeout(Duration::from_secs(60), stage)
+        .await
+        .expect("NodeStageVolume answers")
+        .unwrap();
+    vol.server.start().unwrap();
+    staged.unwrap_or_else(|e| panic!("NodeStage across the server's death: {e:?}"));
+    vol.publish(&mut c).await.unwrap();
+    direct_round_trip(&vol, 0, 4 * MIB as usize, 90);
+    assert_eq!(kernel_io_errors(), errors, "no I/O error in the kernel log");
+    vol.down(&mut c).await;
+    assert_clean(&daemon);
+}

@@ -297,6 +297,7 @@ impl Node {
                 record.tcp = tcp_pairs(&dialed.sockets);
                 self.save_with_connections(record)?;
                 fail::fail_point!("stage-before-connect");
+                crate::failpoints::pause("stage-before-connect").await;
                 let attached = attach::attach_dialed(&self.nl, &self.sysfs, dialed, &opts)
                     .await
                     .map_err(no_free_device)?;
