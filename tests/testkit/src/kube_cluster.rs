@@ -4,20 +4,17 @@
 //! (`tests/kube/run` sets it). No kubelet runs: nodes are objects the tests create.
 
 use std::io;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
+
+use crate::free_port;
 
 /// Where the control plane's binaries are.
 pub fn bin_dir() -> PathBuf {
     std::env::var_os("USTOR_KUBE_BIN").map(PathBuf::from).expect(
         "USTOR_KUBE_BIN is not set: run the Kubernetes tests with tests/kube/run, which builds the API server",
     )
-}
-
-fn free_port() -> io::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
 #[derive(Debug)]

@@ -19,6 +19,14 @@ pub mod tls_proxy;
 pub use direct::{pattern, AlignedBuf, DirectFile};
 pub use server::{Listen, NbdServer, ServerKind};
 
+/// A port free right now on loopback, for a server the test starts next (the port may be
+/// taken again before it binds; tests run one at a time per machine, so it is not).
+pub fn free_port() -> std::io::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
 /// The `/metrics` text served at `addr` (node daemon or controller), headers included.
 pub async fn scrape(addr: std::net::SocketAddr) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};

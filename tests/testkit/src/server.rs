@@ -1,13 +1,14 @@
 //! Real NBD servers as child processes, killable and restartable at the same address.
 
 use std::io;
-use std::net::TcpListener;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use nbd::NbdUri;
+
+use crate::free_port;
 
 /// How long a server may take to start listening. TCG guests are slow to exec.
 const START_TIMEOUT: Duration = Duration::from_secs(30);
@@ -182,7 +183,3 @@ impl Drop for NbdServer {
     }
 }
 
-/// A port free right now on loopback. Kept for the server's life, so restarts reuse it.
-fn free_port() -> io::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
