@@ -2,9 +2,30 @@
 //! device obeys. A read-only bind mount of a device node does not stop writes to the device.
 
 use std::os::fd::AsRawFd;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
-use crate::error::NodeError;
+/// An ioctl or open on a device (or a mount point) that failed, with the OS error.
+#[derive(Debug, thiserror::Error)]
+#[error("{op} {}: {source}", path.display())]
+pub struct BlockdevError {
+    pub op: &'static str,
+    pub path: PathBuf,
+    pub source: std::io::Error,
+}
+
+impl BlockdevError {
+    fn at<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> Self + 'a {
+        move |source| Self {
+            op,
+            path: path.to_owned(),
+            source,
+        }
+    }
+
+    fn errno<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(nix::errno::Errno) -> Self + 'a {
+        move |errno| Self::at(op, path)(errno.into())
+    }
+}
 
 // BLKROSET and BLKROGET from linux/fs.h: _IO(0x12, 93) and _IO(0x12, 94), taking an int.
 nix::ioctl_write_ptr_bad!(blkroset, 0x125d, libc::c_int);
@@ -12,22 +33,19 @@ nix::ioctl_read_bad!(blkroget, 0x125e, libc::c_int);
 
 /// Sets or clears the device's read-only flag, if it is not already as asked. Opening the
 /// device does no I/O, but call it off the runtime all the same: it is a device.
-pub fn set_read_only(dev: &Path, read_only: bool) -> Result<(), NodeError> {
-    let failed = |what: &str, e: &dyn std::fmt::Display| {
-        NodeError::Internal(format!("{what} {}: {e}", dev.display()))
-    };
-    let file = std::fs::File::open(dev).map_err(|e| failed("opening", &e))?;
+pub fn set_read_only(dev: &Path, read_only: bool) -> Result<(), BlockdevError> {
+    let file = std::fs::File::open(dev).map_err(BlockdevError::at("opening", dev))?;
     let mut current: libc::c_int = 0;
     // SAFETY: BLKROGET writes one int through the pointer, which outlives the call.
     unsafe { blkroget(file.as_raw_fd(), &mut current) }
-        .map_err(|e| failed("reading the read-only flag of", &e))?;
+        .map_err(BlockdevError::errno("reading the read-only flag of", dev))?;
     if (current != 0) == read_only {
         return Ok(());
     }
     let flag: libc::c_int = read_only.into();
     // SAFETY: BLKROSET reads one int through the pointer, which outlives the call.
     unsafe { blkroset(file.as_raw_fd(), &flag) }
-        .map_err(|e| failed("setting the read-only flag of", &e))?;
+        .map_err(BlockdevError::errno("setting the read-only flag of", dev))?;
     tracing::info!(device = %dev.display(), read_only, "block device read-only flag set");
     Ok(())
 }
@@ -38,13 +56,11 @@ nix::ioctl_none_bad!(blkflsbuf, 0x1261);
 /// Writes back and drops what the page cache holds of the device, so the next probe reads
 /// the export itself: another node may have written the volume since this node last read
 /// it, and a stale cached "blank" must never lead to a format.
-pub fn drop_cache(dev: &Path) -> Result<(), NodeError> {
-    let file = std::fs::File::open(dev)
-        .map_err(|e| NodeError::Internal(format!("opening {}: {e}", dev.display())))?;
+pub fn drop_cache(dev: &Path) -> Result<(), BlockdevError> {
+    let file = std::fs::File::open(dev).map_err(BlockdevError::at("opening", dev))?;
     // SAFETY: BLKFLSBUF takes no argument.
-    unsafe { blkflsbuf(file.as_raw_fd()) }.map_err(|e| {
-        NodeError::Internal(format!("dropping the page cache of {}: {e}", dev.display()))
-    })?;
+    unsafe { blkflsbuf(file.as_raw_fd()) }
+        .map_err(BlockdevError::errno("dropping the page cache of", dev))?;
     Ok(())
 }
 
@@ -54,28 +70,35 @@ nix::ioctl_readwrite_bad!(fithaw, 0xC004_5878, libc::c_int);
 
 /// Freezes the filesystem mounted at `mount_point`: writes everything dirty and holds new
 /// writes until [`thaw`]. Blocks on the device: call it through `off_runtime`.
-pub fn freeze(mount_point: &Path) -> Result<(), NodeError> {
-    let dir = std::fs::File::open(mount_point)
-        .map_err(|e| NodeError::Internal(format!("opening {}: {e}", mount_point.display())))?;
+pub fn freeze(mount_point: &Path) -> Result<(), BlockdevError> {
+    let dir =
+        std::fs::File::open(mount_point).map_err(BlockdevError::at("opening", mount_point))?;
     let mut unused: libc::c_int = 0;
     // SAFETY: FIFREEZE ignores its argument; the pointer is valid for the call.
     unsafe { fifreeze(dir.as_raw_fd(), &mut unused) }
-        .map_err(|e| NodeError::Internal(format!("freezing {}: {e}", mount_point.display())))?;
+        .map_err(BlockdevError::errno("freezing", mount_point))?;
     Ok(())
 }
 
 /// Thaws a filesystem [`freeze`] froze. One that is not frozen is left as it is (the call
 /// is how recovery makes sure a crash between freeze and thaw leaves nothing frozen).
-pub fn thaw(mount_point: &Path) -> Result<(), NodeError> {
-    let dir = std::fs::File::open(mount_point)
-        .map_err(|e| NodeError::Internal(format!("opening {}: {e}", mount_point.display())))?;
+pub fn thaw(mount_point: &Path) -> Result<(), BlockdevError> {
+    let dir =
+        std::fs::File::open(mount_point).map_err(BlockdevError::at("opening", mount_point))?;
     let mut unused: libc::c_int = 0;
     // SAFETY: FITHAW ignores its argument; the pointer is valid for the call.
     match unsafe { fithaw(dir.as_raw_fd(), &mut unused) } {
         Ok(_) | Err(nix::errno::Errno::EINVAL) => Ok(()),
-        Err(e) => Err(NodeError::Internal(format!(
-            "thawing {}: {e}",
-            mount_point.display()
-        ))),
+        Err(e) => Err(BlockdevError::errno("thawing", mount_point)(e)),
     }
+}
+
+/// Flushes what the page cache holds for a raw block device down to the export. Blocks
+/// while the link is down: call it through `off_runtime`.
+pub fn flush(dev: &Path) -> Result<(), BlockdevError> {
+    std::fs::OpenOptions::new()
+        .read(true)
+        .open(dev)
+        .and_then(|f| f.sync_all())
+        .map_err(BlockdevError::at("flushing", dev))
 }

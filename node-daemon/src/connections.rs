@@ -97,6 +97,18 @@ pub fn liveness(known: &[TcpConnection]) -> Liveness {
     }
 }
 
+/// Replacing a device's connections could not go on.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectionsError {
+    /// The device is being disconnected: it must not get new connections.
+    #[error("volume {volume} is being detached")]
+    Detaching { volume: String },
+    #[error(
+        "the kernel's TCP socket diagnostics are not loaded (modprobe tcp_diag): cannot tell which connections are the device's"
+    )]
+    NoSocketDiagnostics,
+}
+
 /// Redials the export of `record` and offers its device the new sockets, journaling their
 /// addresses ahead and the ones the kernel kept after. The shared step of healing and of
 /// replacing connections. Takes no volume lock: it needs only the identifier, which the
@@ -107,20 +119,21 @@ pub async fn offer_new_connections(
     record: &Record,
     device: &ProvenDevice,
 ) -> Result<(), NodeError> {
-    let export = record.export.clone().ok_or_else(|| {
-        NodeError::FailedPrecondition(format!(
-            "the export of volume {} is not known yet",
-            record.volume_id
-        ))
-    })?;
+    let export = record
+        .export
+        .clone()
+        .ok_or_else(|| NodeError::ExportUnknown {
+            volume: record.volume_id.clone(),
+        })?;
     let uri = crate::node::export_uri(&export)?;
     let dialed = nbd::dial::dial(&uri, &node.dial_options(&export)?).await?;
     let volume = record.volume_id.as_str();
     let _link = node.link_locks.lock(volume).await;
     if node.is_detaching(volume) {
-        return Err(NodeError::Unavailable(format!(
-            "volume {volume} is being detached"
-        )));
+        return Err(ConnectionsError::Detaching {
+            volume: volume.to_owned(),
+        }
+        .into());
     }
     // Proven again under the link lock: the device may have been detached while we dialed.
     let device = node.sysfs.prove(device.index(), device.identifier())?;
@@ -157,11 +170,7 @@ pub fn abort_all(tcp: &[TcpConnection]) -> Result<usize, NodeError> {
                 "a connection at a recorded address is not the device's (another socket, or no recorded inode): left alone"
             ),
             Lookup::Absent => {}
-            Lookup::Unknown => {
-                return Err(NodeError::FailedPrecondition(
-                    "the kernel's TCP socket diagnostics are not loaded (modprobe tcp_diag): cannot tell which connections are the device's".into(),
-                ))
-            }
+            Lookup::Unknown => return Err(ConnectionsError::NoSocketDiagnostics.into()),
         }
     }
     Ok(aborted)

@@ -1,173 +1,109 @@
-//! The node daemon's error type, and its one mapping to gRPC status codes.
+//! What a node operation can fail with. Each variant names the failed step and keeps its
+//! source; none of them chooses a gRPC code. Which code the CO gets, and what happens next
+//! (keep the state, roll back, let the CO retry), is decided in one table:
+//! [`crate::service::status`].
+//!
+//! - Conditions several RPCs share (a volume not staged here, its device gone) are variants
+//!   of [`NodeError`]; the table says where their code differs per RPC and why.
+//! - Each operation's own refusals are in its module: [`RequestError`] (validation),
+//!   [`StageError`], [`UnstageError`], [`PublishError`], [`ExpandError`].
+//! - Components keep theirs: [`JournalError`], [`BlockdevError`], [`ConnectionsError`],
+//!   [`IdError`], and the libraries' [`nbd::Error`] and [`mounts::Error`].
 
-use nbd::handshake::HandshakeError;
-use nbd::tls::TlsError;
-use tonic::{Code, Status};
+use std::path::PathBuf;
+
+pub use crate::blockdev::BlockdevError;
+pub use crate::connections::ConnectionsError;
+pub use crate::ids::IdError;
+pub use crate::journal::JournalError;
+pub use crate::request::RequestError;
+pub use crate::volumes::expand::ExpandError;
+pub use crate::volumes::publish::PublishError;
+pub use crate::volumes::stage::{StageError, UnstageError};
+
+use crate::record::{Access, AccessMode, Phase};
 
 #[derive(Debug, thiserror::Error)]
 pub enum NodeError {
-    #[error("{0}")]
-    InvalidArgument(String),
-    #[error("{0}")]
-    NotFound(String),
-    #[error("{0}")]
-    AlreadyExists(String),
-    #[error("{0}")]
-    FailedPrecondition(String),
-    #[error("another operation on volume {0} is in progress; retry later")]
-    Busy(String),
-    #[error("{0}")]
-    Unavailable(String),
-    #[error("{0}")]
-    ResourceExhausted(String),
+    #[error(transparent)]
+    Request(#[from] RequestError),
+    #[error(transparent)]
+    Stage(#[from] StageError),
+    #[error(transparent)]
+    Unstage(#[from] UnstageError),
+    #[error(transparent)]
+    Publish(#[from] PublishError),
+    #[error(transparent)]
+    Expand(#[from] ExpandError),
+
+    /// Recovery has not finished: no call acts on a half-known state.
+    #[error("the node daemon is still recovering its attachments; retry shortly")]
+    NotReady,
+    /// Another call holds the volume's lock.
+    #[error("another operation on volume {volume} is in progress; retry later")]
+    Busy { volume: String },
+    /// The journal has no record of the volume.
+    #[error("volume {volume} is not staged on this node")]
+    NotStaged { volume: String },
+    /// The path the call names is neither the volume's staging path nor one of its targets.
+    #[error("volume {volume} is neither staged nor published at {}", path.display())]
+    NotAtPath { volume: String, path: PathBuf },
+    /// The volume has a record, but staging has not finished (or teardown has begun).
+    #[error("volume {volume} is not staged yet (step: {phase:?})")]
+    NotStagedYet { volume: String, phase: Phase },
+    /// The call names a staging path other than the one the volume is staged at.
+    #[error("volume {volume} is staged at {}, not at {}", staged.display(), asked.display())]
+    WrongStagingPath {
+        volume: String,
+        staged: PathBuf,
+        asked: PathBuf,
+    },
+    /// The call's capability is not the one the volume was staged with.
+    #[error("volume {volume} is staged with another capability ({access}, {mode:?})")]
+    OtherCapability {
+        volume: String,
+        access: Access,
+        mode: AccessMode,
+    },
+    /// No device carries the volume's identifier any more.
+    #[error("device of volume {volume} is gone: NodeStageVolume must attach it again")]
+    DeviceGone { volume: String },
+    /// A record rebuilt from kernel facts has not learned its export yet.
+    #[error(
+        "the export of volume {volume} is not known yet; it is learned at the next NodePublish"
+    )]
+    ExportUnknown { volume: String },
+    /// The record names no staging path (a rebuilt block volume).
+    #[error("staging path of volume {volume} is unknown")]
+    StagingPathUnknown { volume: String },
+    /// The export asks for a TLS profile this node's configuration lacks.
+    #[error(
+        "the volume's export {uri} asks for TLS profile {profile:?}, which this node does not define: \
+         add [tls-profile.{profile}] with its ca-file, cert-file and key-file to the node's configuration"
+    )]
+    UnknownTlsProfile { uri: String, profile: String },
+    /// CONNECT for any free device found none: the node is full, not broken.
+    #[error(
+        "no free NBD device on this node ({source}); raise the nbd module's nbds_max or move volumes away"
+    )]
+    NoFreeDevice { source: nbd::Error },
+    /// A blocking step's worker thread panicked or was cancelled.
+    #[error("{what}: worker thread failed: {source}")]
+    Worker {
+        what: &'static str,
+        source: tokio::task::JoinError,
+    },
+
+    #[error(transparent)]
+    Journal(#[from] JournalError),
+    #[error(transparent)]
+    Blockdev(#[from] BlockdevError),
+    #[error(transparent)]
+    Connections(#[from] ConnectionsError),
+    #[error(transparent)]
+    Id(#[from] IdError),
     #[error(transparent)]
     Nbd(#[from] nbd::Error),
     #[error(transparent)]
     Mount(#[from] mounts::Error),
-    #[error("attachment journal: {0}")]
-    Journal(String),
-    #[error("{0}")]
-    Internal(String),
-}
-
-impl NodeError {
-    pub fn invalid(msg: impl Into<String>) -> Self {
-        NodeError::InvalidArgument(msg.into())
-    }
-
-    /// Whether kubelet takes this answer as final: it then forgets the operation and never
-    /// calls the matching undo (NodeUnstage after a NodeStage), so the daemon must undo it.
-    /// Retried are the codes kubelet treats as "maybe still in progress".
-    pub fn is_final(&self) -> bool {
-        !matches!(
-            self.code(),
-            Code::Aborted
-                | Code::Unavailable
-                | Code::DeadlineExceeded
-                | Code::ResourceExhausted
-                | Code::Cancelled
-        )
-    }
-
-    /// The gRPC code this error is answered with.
-    pub fn code(&self) -> Code {
-        match self {
-            NodeError::InvalidArgument(_) => Code::InvalidArgument,
-            NodeError::NotFound(_) => Code::NotFound,
-            NodeError::AlreadyExists(_) => Code::AlreadyExists,
-            NodeError::FailedPrecondition(_) => Code::FailedPrecondition,
-            NodeError::Busy(_) => Code::Aborted,
-            NodeError::Unavailable(_) => Code::Unavailable,
-            NodeError::ResourceExhausted(_) => Code::ResourceExhausted,
-            NodeError::Nbd(e) => nbd_code(e),
-            NodeError::Mount(e) => mount_code(e),
-            NodeError::Journal(_) | NodeError::Internal(_) => Code::Internal,
-        }
-    }
-}
-
-fn nbd_code(e: &nbd::Error) -> Code {
-    use nbd::Error as E;
-    match e {
-        E::Handshake { source, .. } => match source {
-            HandshakeError::UnknownExport { .. } | HandshakeError::ExportNameRejected { .. } => {
-                Code::NotFound
-            }
-            HandshakeError::PolicyRefused { .. } => Code::PermissionDenied,
-            HandshakeError::TlsRequired { .. }
-            | HandshakeError::TlsRefused { .. }
-            | HandshakeError::OldStyle => Code::FailedPrecondition,
-            _ => Code::Unavailable,
-        },
-        // A certificate the other side refuses, missing files or kernel modules: fixed by an
-        // operator, not by retrying. A connection cut mid-handshake may heal by itself.
-        E::Tls { source, .. } => match source {
-            TlsError::Handshake(io) if io.kind() != std::io::ErrorKind::InvalidData => {
-                Code::Unavailable
-            }
-            TlsError::Unexpected(_) => Code::Unavailable,
-            _ => Code::FailedPrecondition,
-        },
-        // The export's server may come back: the CO retries with back-off.
-        E::Connect { .. } | E::DialTimeout { .. } => Code::Unavailable,
-        E::InvalidConnections(_) => Code::InvalidArgument,
-        E::UnsupportedBlockSize(_) | E::ExportChanged { .. } => Code::FailedPrecondition,
-        E::ModuleNotLoaded => Code::FailedPrecondition,
-        E::NotOurs { .. } => Code::FailedPrecondition,
-        _ => Code::Internal,
-    }
-}
-
-fn mount_code(e: &mounts::Error) -> Code {
-    use mounts::Error as E;
-    match e {
-        E::UnsupportedFilesystem(_) | E::ForbiddenOption(_) => Code::InvalidArgument,
-        E::NotBlank { .. } => Code::FailedPrecondition,
-        _ => Code::Internal,
-    }
-}
-
-/// The one place a node error becomes a wire status.
-impl From<NodeError> for Status {
-    fn from(e: NodeError) -> Self {
-        Status::new(e.code(), e.to_string())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn codes_follow_the_spec() {
-        let cases = [
-            (NodeError::invalid("x"), Code::InvalidArgument),
-            (NodeError::NotFound("x".into()), Code::NotFound),
-            (NodeError::AlreadyExists("x".into()), Code::AlreadyExists),
-            (
-                NodeError::FailedPrecondition("x".into()),
-                Code::FailedPrecondition,
-            ),
-            (NodeError::Busy("v".into()), Code::Aborted),
-            (
-                NodeError::Mount(mounts::Error::UnsupportedFilesystem("zfs".into())),
-                Code::InvalidArgument,
-            ),
-            (
-                NodeError::Nbd(nbd::Error::ModuleNotLoaded),
-                Code::FailedPrecondition,
-            ),
-            (
-                NodeError::Nbd(nbd::Error::Handshake {
-                    uri: "nbd://h/x".into(),
-                    source: HandshakeError::UnknownExport {
-                        export: "x".into(),
-                        message: String::new(),
-                    },
-                }),
-                Code::NotFound,
-            ),
-            (NodeError::Journal("disk full".into()), Code::Internal),
-            (
-                NodeError::ResourceExhausted("nbds_max".into()),
-                Code::ResourceExhausted,
-            ),
-        ];
-        for (err, code) in cases {
-            let msg = err.to_string();
-            let status = Status::from(err);
-            assert_eq!(status.code(), code, "{msg}");
-            assert_eq!(status.message(), msg);
-        }
-    }
-
-    #[test]
-    fn final_errors_are_the_ones_kubelet_does_not_retry() {
-        assert!(NodeError::FailedPrecondition("x".into()).is_final());
-        assert!(NodeError::invalid("x").is_final());
-        assert!(NodeError::Internal("x".into()).is_final());
-        assert!(!NodeError::Busy("v".into()).is_final());
-        assert!(!NodeError::Unavailable("x".into()).is_final());
-        assert!(!NodeError::ResourceExhausted("x".into()).is_final());
-    }
 }

@@ -7,7 +7,36 @@ use nbd::BackendId;
 use percent_encoding::{percent_decode_str, utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
 use sha2::{Digest, Sha256};
 
-use crate::error::NodeError;
+use crate::request::RequestError;
+
+/// Making an identity failed: the randomness source, or an identifier the kernel would refuse.
+#[derive(Debug, thiserror::Error)]
+pub enum IdError {
+    #[error("building identifier: {0}")]
+    Identifier(#[source] nbd::identity::BadBackendId),
+    #[error("identifier {identifier:?}: {source}")]
+    Unusable {
+        identifier: String,
+        source: nbd::identity::BadBackendId,
+    },
+    #[error("random {what}: {source}")]
+    Random {
+        what: &'static str,
+        source: std::io::Error,
+    },
+}
+
+impl IdError {
+    fn random(what: &'static str) -> impl FnOnce(getrandom::Error) -> Self {
+        move |e| IdError::Random {
+            what,
+            source: match e.raw_os_error() {
+                Some(errno) => std::io::Error::from_raw_os_error(errno),
+                None => std::io::Error::other(e.to_string()),
+            },
+        }
+    }
+}
 
 /// The CSI spec caps strings at 128 bytes unless a field says otherwise.
 const MAX_ID: usize = 128;
@@ -17,18 +46,18 @@ const MAX_ID: usize = 128;
 pub struct VolumeId(String);
 
 impl VolumeId {
-    pub fn parse(raw: &str) -> Result<Self, NodeError> {
+    pub fn parse(raw: &str) -> Result<Self, RequestError> {
         if raw.is_empty() {
-            return Err(NodeError::invalid("volume_id is required"));
+            return Err(RequestError::Missing { field: "volume_id" });
         }
         if raw.len() > MAX_ID {
-            return Err(NodeError::invalid(format!(
-                "volume_id is {} bytes; at most {MAX_ID} are allowed",
-                raw.len()
-            )));
+            return Err(RequestError::VolumeIdTooLong {
+                len: raw.len(),
+                max: MAX_ID,
+            });
         }
         if raw.chars().any(char::is_control) {
-            return Err(NodeError::invalid("volume_id contains control characters"));
+            return Err(RequestError::VolumeIdControl);
         }
         Ok(Self(raw.to_owned()))
     }
@@ -79,16 +108,12 @@ pub struct Identifier {
 
 impl Identifier {
     /// A fresh identifier for a new attachment of `volume` on `node`.
-    pub fn new_attachment(node: &str, volume: &VolumeId) -> Result<BackendId, NodeError> {
+    pub fn new_attachment(node: &str, volume: &VolumeId) -> Result<BackendId, IdError> {
         let attachment = random_hex(8)?;
         Self::compose(node, volume, &attachment)
     }
 
-    pub fn compose(
-        node: &str,
-        volume: &VolumeId,
-        attachment: &str,
-    ) -> Result<BackendId, NodeError> {
+    pub fn compose(node: &str, volume: &VolumeId, attachment: &str) -> Result<BackendId, IdError> {
         let mut id = format!(
             "{IDENTIFIER_PREFIX}:{}:{}:{attachment}",
             encode(node),
@@ -101,7 +126,7 @@ impl Identifier {
                 digest(volume.as_str())
             );
         }
-        BackendId::new(id).map_err(|e| NodeError::Internal(format!("building identifier: {e}")))
+        BackendId::new(id).map_err(IdError::Identifier)
     }
 
     /// Splits an identifier made by [`Identifier::compose`]; `None` for anything else.
@@ -130,10 +155,9 @@ impl Identifier {
 }
 
 /// A random (version 4) UUID, for a filesystem the daemon is about to create.
-pub fn random_uuid() -> Result<String, NodeError> {
+pub fn random_uuid() -> Result<String, IdError> {
     let mut b = [0u8; 16];
-    getrandom::fill(&mut b)
-        .map_err(|e| NodeError::Internal(format!("random filesystem UUID: {e}")))?;
+    getrandom::fill(&mut b).map_err(IdError::random("filesystem UUID"))?;
     b[6] = (b[6] & 0x0f) | 0x40;
     b[8] = (b[8] & 0x3f) | 0x80;
     let h: String = b.iter().map(|x| format!("{x:02x}")).collect();
@@ -147,10 +171,9 @@ pub fn random_uuid() -> Result<String, NodeError> {
     ))
 }
 
-fn random_hex(bytes: usize) -> Result<String, NodeError> {
+fn random_hex(bytes: usize) -> Result<String, IdError> {
     let mut buf = vec![0u8; bytes];
-    getrandom::fill(&mut buf)
-        .map_err(|e| NodeError::Internal(format!("random attachment id: {e}")))?;
+    getrandom::fill(&mut buf).map_err(IdError::random("attachment id"))?;
     Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
 }
 

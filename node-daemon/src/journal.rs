@@ -10,9 +10,36 @@ use std::io::Write;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-use crate::error::NodeError;
 use crate::ids::{digest, encode};
 use crate::record::{Record, SCHEMA};
+
+/// A journal operation that failed: the file and the step, with the OS error.
+#[derive(Debug, thiserror::Error)]
+pub enum JournalError {
+    #[error("attachment journal: {op} {}: {source}", path.display())]
+    Io {
+        op: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("attachment journal: encoding: {0}")]
+    Encode(#[source] serde_json::Error),
+    #[error(
+        "attachment journal: {} has schema {found}, newer than this daemon's {SCHEMA}: refusing to guess",
+        path.display()
+    )]
+    NewerSchema { path: PathBuf, found: u32 },
+    #[error("attachment journal: record of {volume} has a bad identifier: {source}")]
+    BadIdentifier {
+        volume: String,
+        source: nbd::identity::BadBackendId,
+    },
+    #[error("attachment journal: stored export {uri:?} is not a URI: {source}")]
+    BadExportUri {
+        uri: String,
+        source: nbd::uri::UriError,
+    },
+}
 
 #[derive(Debug, Clone)]
 pub struct Journal {
@@ -33,7 +60,7 @@ const TMP_PREFIX: &str = ".tmp.";
 
 impl Journal {
     /// Opens (creating, root-only) the journal under `state_dir`.
-    pub fn open(state_dir: &Path) -> Result<Self, NodeError> {
+    pub fn open(state_dir: &Path) -> Result<Self, JournalError> {
         let journal = Self {
             dir: state_dir.join("volumes"),
             quarantine: state_dir.join("quarantine"),
@@ -67,15 +94,14 @@ impl Journal {
     }
 
     /// Durably replaces the record of `record.volume_id`.
-    pub fn write(&self, record: &Record) -> Result<(), NodeError> {
+    pub fn write(&self, record: &Record) -> Result<(), JournalError> {
         let path = self.path_for(&record.volume_id);
         let file_name = path
             .file_name()
             .and_then(|n| n.to_str())
             .unwrap_or_default();
         let tmp = self.dir.join(format!("{TMP_PREFIX}{file_name}"));
-        let json = serde_json::to_vec_pretty(record)
-            .map_err(|e| NodeError::Journal(format!("encoding: {e}")))?;
+        let json = serde_json::to_vec_pretty(record).map_err(JournalError::Encode)?;
         let mut f = OpenOptions::new()
             .write(true)
             .create(true)
@@ -92,7 +118,7 @@ impl Journal {
     }
 
     /// Durably forgets the record of `volume_id` (no error if there is none).
-    pub fn remove(&self, volume_id: &str) -> Result<(), NodeError> {
+    pub fn remove(&self, volume_id: &str) -> Result<(), JournalError> {
         let path = self.path_for(volume_id);
         match fs::remove_file(&path) {
             Ok(()) => self.sync_dir(),
@@ -105,7 +131,7 @@ impl Journal {
     /// discarded: the record they would have replaced is still in place. Unreadable records
     /// are quarantined. A record of a newer schema stops the load: a downgraded daemon must
     /// not guess at it.
-    pub fn load(&self) -> Result<Loaded, NodeError> {
+    pub fn load(&self) -> Result<Loaded, JournalError> {
         let mut loaded = Loaded::default();
         for path in sorted_entries(&self.dir)? {
             let name = path
@@ -123,11 +149,10 @@ impl Journal {
             }
             match read_record(&path) {
                 Ok(r) if r.schema > SCHEMA => {
-                    return Err(NodeError::Journal(format!(
-                        "{} has schema {}, newer than this daemon's {SCHEMA}: refusing to guess",
-                        path.display(),
-                        r.schema
-                    )))
+                    return Err(JournalError::NewerSchema {
+                        path,
+                        found: r.schema,
+                    })
                 }
                 Ok(r) if self.path_for(&r.volume_id) != path => {
                     let reason = format!(
@@ -154,7 +179,7 @@ impl Journal {
 
     /// Reads records without changing anything on disk (for `ustor-csi-node status`, which
     /// may run beside the daemon). Unreadable files are reported, not moved.
-    pub fn peek(state_dir: &Path) -> Result<Loaded, NodeError> {
+    pub fn peek(state_dir: &Path) -> Result<Loaded, JournalError> {
         let dir = state_dir.join("volumes");
         let mut loaded = Loaded::default();
         if !dir.exists() {
@@ -176,7 +201,7 @@ impl Journal {
         Ok(loaded)
     }
 
-    fn quarantine_file(&self, path: &Path) -> Result<PathBuf, NodeError> {
+    fn quarantine_file(&self, path: &Path) -> Result<PathBuf, JournalError> {
         let stamp = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
@@ -190,14 +215,14 @@ impl Journal {
         Ok(target)
     }
 
-    fn sync_dir(&self) -> Result<(), NodeError> {
+    fn sync_dir(&self) -> Result<(), JournalError> {
         File::open(&self.dir)
             .and_then(|d| d.sync_all())
             .map_err(|e| io(&self.dir, "syncing", e))
     }
 }
 
-fn sorted_entries(dir: &Path) -> Result<Vec<PathBuf>, NodeError> {
+fn sorted_entries(dir: &Path) -> Result<Vec<PathBuf>, JournalError> {
     let entries = fs::read_dir(dir).map_err(|e| io(dir, "reading", e))?;
     let mut paths: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
     paths.sort();
@@ -209,8 +234,12 @@ fn read_record(path: &Path) -> Result<Record, String> {
     serde_json::from_slice(&bytes).map_err(|e| format!("not a valid record: {e}"))
 }
 
-fn io(path: &Path, what: &str, e: std::io::Error) -> NodeError {
-    NodeError::Journal(format!("{what} {}: {e}", path.display()))
+fn io(path: &Path, op: &'static str, source: std::io::Error) -> JournalError {
+    JournalError::Io {
+        op,
+        path: path.to_owned(),
+        source,
+    }
 }
 
 #[cfg(test)]
@@ -301,7 +330,12 @@ mod tests {
         let mut r = record("v");
         r.schema = SCHEMA + 1;
         j.write(&r).unwrap();
-        assert!(matches!(j.load(), Err(NodeError::Journal(m)) if m.contains("newer")));
+        let err = j.load().unwrap_err();
+        assert!(
+            matches!(err, JournalError::NewerSchema { found, .. } if found == SCHEMA + 1),
+            "{err}"
+        );
+        assert!(err.to_string().contains("newer"), "{err}");
     }
 
     #[test]

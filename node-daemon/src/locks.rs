@@ -29,7 +29,9 @@ impl VolumeLocks {
     ) -> Result<VolumeGuard, NodeError> {
         tokio::time::timeout(patience, self.locks.lock(volume))
             .await
-            .map_err(|_| NodeError::Busy(volume.to_owned()))
+            .map_err(|_| NodeError::Busy {
+                volume: volume.to_owned(),
+            })
     }
 
     /// For background work: waits for the lock.
@@ -49,7 +51,9 @@ mod tests {
     async fn second_caller_is_aborted_until_the_first_is_done() {
         let locks = Arc::new(VolumeLocks::default());
         let first = locks.lock_within("v", SHORT).await.unwrap();
-        assert!(matches!(locks.lock_within("v", SHORT).await, Err(NodeError::Busy(v)) if v == "v"));
+        assert!(
+            matches!(locks.lock_within("v", SHORT).await, Err(NodeError::Busy { volume }) if volume == "v")
+        );
         assert!(
             locks.lock_within("other", SHORT).await.is_ok(),
             "volumes are independent"

@@ -99,20 +99,18 @@ impl Node {
         if self.is_ready() {
             Ok(())
         } else {
-            Err(NodeError::Unavailable(
-                "the node daemon is still recovering its attachments; retry shortly".into(),
-            ))
+            Err(NodeError::NotReady)
         }
     }
 
-    /// NOT_FOUND for a volume this node has no record of.
+    /// [`NodeError::NotStaged`] for a volume this node has no record of.
     pub(crate) fn require_known(&self, volume: &crate::ids::VolumeId) -> Result<(), NodeError> {
         self.ensure_ready()?;
         match self.record(volume.as_str()) {
             Some(_) => Ok(()),
-            None => Err(NodeError::NotFound(format!(
-                "volume {volume} is not staged on this node"
-            ))),
+            None => Err(NodeError::NotStaged {
+                volume: volume.to_string(),
+            }),
         }
     }
 
@@ -313,16 +311,16 @@ impl Node {
     /// every dial (stage, expansion, healing), naming the table to add: dialing without it
     /// would only say that TLS files are missing.
     pub(crate) fn dial_options(&self, export: &Export) -> Result<DialOptions, NodeError> {
-        let tls = match &export.tls_profile {
-            None => self.settings.tls.clone(),
-            Some(name) => Some(self.settings.tls_profiles.get(name).cloned().ok_or_else(|| {
-                NodeError::FailedPrecondition(format!(
-                    "the volume's export {} asks for TLS profile {name:?}, which this node does not define: \
-                     add [tls-profile.{name}] with its ca-file, cert-file and key-file to the node's configuration",
-                    export.uri
-                ))
-            })?),
-        };
+        let tls =
+            match &export.tls_profile {
+                None => self.settings.tls.clone(),
+                Some(name) => Some(self.settings.tls_profiles.get(name).cloned().ok_or_else(
+                    || NodeError::UnknownTlsProfile {
+                        uri: export.uri.clone(),
+                        profile: name.clone(),
+                    },
+                )?),
+            };
         Ok(DialOptions {
             deadline: self.settings.dial_timeout,
             connections: export.connections,
@@ -351,17 +349,20 @@ fn count_down(links: &HashMap<String, Link>) -> usize {
 }
 
 pub(crate) fn identifier(record: &Record) -> Result<BackendId, NodeError> {
-    BackendId::new(record.identifier.clone()).map_err(|e| {
-        NodeError::Journal(format!(
-            "record of {} has a bad identifier: {e}",
-            record.volume_id
-        ))
+    BackendId::new(record.identifier.clone()).map_err(|source| {
+        NodeError::from(crate::journal::JournalError::BadIdentifier {
+            volume: record.volume_id.clone(),
+            source,
+        })
     })
 }
 
 pub(crate) fn export_uri(export: &Export) -> Result<NbdUri, NodeError> {
-    export.uri.parse().map_err(|e| {
-        NodeError::Journal(format!("stored export {:?} is not a URI: {e}", export.uri))
+    export.uri.parse().map_err(|source| {
+        NodeError::from(crate::journal::JournalError::BadExportUri {
+            uri: export.uri.clone(),
+            source,
+        })
     })
 }
 
@@ -376,7 +377,7 @@ where
 {
     tokio::task::spawn_blocking(f)
         .await
-        .map_err(|e| NodeError::Internal(format!("{what}: worker thread failed: {e}")))?
+        .map_err(|source| NodeError::Worker { what, source })?
 }
 
 /// Major and minor numbers of a block device node.
@@ -396,11 +397,7 @@ pub(crate) fn device_numbers(path: &Path) -> Option<(u32, u32)> {
 /// Flushes what the page cache holds for a raw block device down to the export. Blocks
 /// while the link is down: call it through [`off_runtime`].
 pub(crate) fn flush_device(path: &Path) -> Result<(), NodeError> {
-    std::fs::OpenOptions::new()
-        .read(true)
-        .open(path)
-        .and_then(|f| f.sync_all())
-        .map_err(|e| NodeError::Internal(format!("flushing {}: {e}", path.display())))
+    Ok(crate::blockdev::flush(path)?)
 }
 
 /// A short pause for kernel state that settles asynchronously.

@@ -193,15 +193,22 @@ pub async fn apply(
                         Ok::<_, mounts::Error>(())
                     })
                     .await
-                    .map_err(|e| NodeError::Internal(format!("unmount worker: {e}")))??;
+                    .map_err(|source| NodeError::Worker {
+                        what: "unmount",
+                        source,
+                    })??;
                     done.push(format!("unmounted {}", path.display()));
                 }
             }
             Action::Disconnect {
                 device, identifier, ..
             } => {
-                let id = BackendId::new(identifier.clone())
-                    .map_err(|e| NodeError::Internal(format!("identifier {identifier:?}: {e}")))?;
+                let id = BackendId::new(identifier.clone()).map_err(|source| {
+                    crate::ids::IdError::Unusable {
+                        identifier: identifier.clone(),
+                        source,
+                    }
+                })?;
                 // Proven again now: the plan may be old.
                 let proven = sysfs.prove(*device, &id)?;
                 let nl = match &netlink {

@@ -10,8 +10,54 @@ use csi_proto::csi::VolumeCapability;
 use mounts::{Filesystem, MountOptions};
 use nbd::NbdUri;
 
-use crate::error::NodeError;
 use crate::record::{Access, AccessMode, Export};
+
+/// A request the node refuses before doing anything: the field and what is wrong with it.
+#[derive(Debug, thiserror::Error)]
+pub enum RequestError {
+    #[error("{field} is required")]
+    Missing { field: &'static str },
+    #[error("volume_id is {len} bytes; at most {max} are allowed")]
+    VolumeIdTooLong { len: usize, max: usize },
+    #[error("volume_id contains control characters")]
+    VolumeIdControl,
+    /// The shared capability rules (`csi_proto::capability`) refused it.
+    #[error("{0}")]
+    Capability(String),
+    #[error("volume_mount_group is not supported by this driver")]
+    MountGroup,
+    #[error("fsType: {0}")]
+    FsType(#[source] mounts::Error),
+    #[error("mount flags: {0}")]
+    MountFlags(#[source] mounts::Error),
+    #[error("{field} is not a usable path")]
+    UnusablePath { field: &'static str },
+    #[error("{field} {raw:?} must be an absolute path")]
+    RelativePath { field: &'static str, raw: String },
+    #[error("{field} {raw:?} must not contain . or .. components")]
+    DotComponents { field: &'static str, raw: String },
+    #[error(
+        "unknown key {key:?} in {context} (this driver reads {KEY_NBD_URI}, {KEY_NBD_CONNECTIONS} and {KEY_TLS_PROFILE})"
+    )]
+    UnknownContextKey { key: String, context: &'static str },
+    #[error("no {KEY_NBD_URI} in the publish or volume context")]
+    NoExport,
+    #[error("{KEY_NBD_URI} {raw:?}: {source}")]
+    BadUri {
+        raw: String,
+        source: nbd::uri::UriError,
+    },
+    #[error("{KEY_NBD_CONNECTIONS} {raw:?} must be a number from 1 to 16")]
+    BadConnections { raw: String },
+    #[error(
+        "{KEY_TLS_PROFILE} {profile:?} is set for the plaintext export {uri}: TLS profiles are for nbds:// exports"
+    )]
+    TlsProfileOnPlaintext { profile: String, uri: String },
+    #[error("{KEY_TLS_PROFILE} {profile:?} is not a profile name")]
+    BadTlsProfile { profile: String },
+    #[error("capacity_range.required_bytes must not be negative")]
+    NegativeCapacity,
+}
 
 /// Context keys this driver reads.
 pub const KEY_NBD_URI: &str = "nbdUri";
@@ -42,9 +88,11 @@ impl Capability {
     }
 }
 
-pub fn capability(cap: Option<&VolumeCapability>) -> Result<Capability, NodeError> {
-    let cap = cap.ok_or_else(|| NodeError::invalid("volume_capability is required"))?;
-    let (mode, shape) = csi_proto::capability::check(cap).map_err(NodeError::InvalidArgument)?;
+pub fn capability(cap: Option<&VolumeCapability>) -> Result<Capability, RequestError> {
+    let cap = cap.ok_or(RequestError::Missing {
+        field: "volume_capability",
+    })?;
+    let (mode, shape) = csi_proto::capability::check(cap).map_err(RequestError::Capability)?;
     let mode = match mode {
         Mode::SingleNodeWriter => AccessMode::SingleNodeWriter,
         Mode::SingleNodeReaderOnly => AccessMode::SingleNodeReaderOnly,
@@ -59,20 +107,15 @@ pub fn capability(cap: Option<&VolumeCapability>) -> Result<Capability, NodeErro
         Shape::Block => Access::Block,
         Shape::Mount(m) => {
             if !m.volume_mount_group.is_empty() {
-                return Err(NodeError::invalid(
-                    "volume_mount_group is not supported by this driver",
-                ));
+                return Err(RequestError::MountGroup);
             }
             let fs = if m.fs_type.is_empty() {
                 "ext4"
             } else {
                 m.fs_type.as_str()
             };
-            let fs: Filesystem = fs
-                .parse()
-                .map_err(|e: mounts::Error| NodeError::invalid(format!("fsType: {e}")))?;
-            MountOptions::parse(&m.mount_flags)
-                .map_err(|e| NodeError::invalid(format!("mount flags: {e}")))?;
+            let fs: Filesystem = fs.parse().map_err(RequestError::FsType)?;
+            MountOptions::parse(&m.mount_flags).map_err(RequestError::MountFlags)?;
             Access::Mount {
                 fs: fs.name().to_owned(),
                 flags: m.mount_flags.clone(),
@@ -83,27 +126,29 @@ pub fn capability(cap: Option<&VolumeCapability>) -> Result<Capability, NodeErro
 }
 
 /// An absolute path without `.` or `..` components (which could step out of kubelet's tree).
-pub fn abs_path(field: &str, raw: &str) -> Result<PathBuf, NodeError> {
+pub fn abs_path(field: &'static str, raw: &str) -> Result<PathBuf, RequestError> {
     if raw.is_empty() {
-        return Err(NodeError::invalid(format!("{field} is required")));
+        return Err(RequestError::Missing { field });
     }
     if raw.contains('\0') || raw.len() > 4096 {
-        return Err(NodeError::invalid(format!("{field} is not a usable path")));
+        return Err(RequestError::UnusablePath { field });
     }
     let path = Path::new(raw);
     if !path.is_absolute() {
-        return Err(NodeError::invalid(format!(
-            "{field} {raw:?} must be an absolute path"
-        )));
+        return Err(RequestError::RelativePath {
+            field,
+            raw: raw.to_owned(),
+        });
     }
     // Checked on the raw text: `Path::components` silently drops interior `.` segments.
     if raw
         .split('/')
         .any(|segment| segment == "." || segment == "..")
     {
-        return Err(NodeError::invalid(format!(
-            "{field} {raw:?} must not contain . or .. components"
-        )));
+        return Err(RequestError::DotComponents {
+            field,
+            raw: raw.to_owned(),
+        });
     }
     Ok(path.components().collect())
 }
@@ -127,7 +172,7 @@ pub fn resolved(path: PathBuf) -> PathBuf {
 pub fn export(
     publish_context: &HashMap<String, String>,
     volume_context: &HashMap<String, String>,
-) -> Result<Export, NodeError> {
+) -> Result<Export, RequestError> {
     for (name, ctx) in [
         ("publish_context", publish_context),
         ("volume_context", volume_context),
@@ -135,42 +180,37 @@ pub fn export(
         for key in ctx.keys() {
             let known = [KEY_NBD_URI, KEY_NBD_CONNECTIONS, KEY_TLS_PROFILE].contains(&key.as_str());
             if !known && !FOREIGN_PREFIXES.iter().any(|p| key.starts_with(p)) {
-                return Err(NodeError::invalid(format!(
-                    "unknown key {key:?} in {name} (this driver reads {KEY_NBD_URI}, {KEY_NBD_CONNECTIONS} and {KEY_TLS_PROFILE})"
-                )));
+                return Err(RequestError::UnknownContextKey {
+                    key: key.clone(),
+                    context: name,
+                });
             }
         }
     }
     let lookup = |key: &str| publish_context.get(key).or_else(|| volume_context.get(key));
-    let raw = lookup(KEY_NBD_URI).ok_or_else(|| {
-        NodeError::invalid(format!("no {KEY_NBD_URI} in the publish or volume context"))
+    let raw = lookup(KEY_NBD_URI).ok_or(RequestError::NoExport)?;
+    let uri: NbdUri = raw.parse().map_err(|source| RequestError::BadUri {
+        raw: raw.clone(),
+        source,
     })?;
-    let uri: NbdUri = raw
-        .parse()
-        .map_err(|e| NodeError::invalid(format!("{KEY_NBD_URI} {raw:?}: {e}")))?;
     let connections = match lookup(KEY_NBD_CONNECTIONS) {
         None => 1,
         Some(n) => n
             .parse::<u8>()
             .ok()
             .filter(|n| (1..=nbd::dial::MAX_CONNECTIONS).contains(n))
-            .ok_or_else(|| {
-                NodeError::invalid(format!(
-                    "{KEY_NBD_CONNECTIONS} {n:?} must be a number from 1 to 16"
-                ))
-            })?,
+            .ok_or_else(|| RequestError::BadConnections { raw: n.clone() })?,
     };
     let tls_profile = match lookup(KEY_TLS_PROFILE) {
         None => None,
         Some(p) if !uri.tls() => {
-            return Err(NodeError::invalid(format!(
-                "{KEY_TLS_PROFILE} {p:?} is set for the plaintext export {uri}: TLS profiles are for nbds:// exports"
-            )))
+            return Err(RequestError::TlsProfileOnPlaintext {
+                profile: p.clone(),
+                uri: uri.to_string(),
+            })
         }
         Some(p) if p.is_empty() || p.len() > 253 || p.chars().any(|c| c.is_control()) => {
-            return Err(NodeError::invalid(format!(
-                "{KEY_TLS_PROFILE} {p:?} is not a profile name"
-            )))
+            return Err(RequestError::BadTlsProfile { profile: p.clone() })
         }
         Some(p) => Some(p.clone()),
     };
@@ -272,10 +312,7 @@ mod tests {
         ];
         for (c, want) in refused {
             let err = capability(c.as_ref()).unwrap_err();
-            assert!(
-                matches!(err, NodeError::InvalidArgument(ref m) if m.contains(want)),
-                "{err} !~ {want}"
-            );
+            assert!(err.to_string().contains(want), "{err} !~ {want}");
         }
     }
 
@@ -306,13 +343,7 @@ mod tests {
             PathBuf::from("/var/lib/x")
         );
         for bad in ["", "relative/x", "/a/../b", "/a/./b", "/a\0b"] {
-            assert!(
-                matches!(
-                    abs_path("staging_target_path", bad),
-                    Err(NodeError::InvalidArgument(_))
-                ),
-                "{bad:?}"
-            );
+            assert!(abs_path("staging_target_path", bad).is_err(), "{bad:?}");
         }
     }
 
@@ -335,10 +366,7 @@ mod tests {
             ctx(&[("nbdUri", "nbd://h/x"), ("tlsProfile", "lab")]),
             ctx(&[("nbdUri", "nbds://h/x"), ("tlsProfile", "")]),
         ] {
-            assert!(
-                matches!(export(&ctx(&[]), &bad), Err(NodeError::InvalidArgument(_))),
-                "{bad:?}"
-            );
+            assert!(export(&ctx(&[]), &bad).is_err(), "{bad:?}");
         }
     }
 
@@ -389,10 +417,7 @@ mod tests {
         ];
         for (p, v, want) in refused {
             let err = export(&p, &v).unwrap_err();
-            assert!(
-                matches!(err, NodeError::InvalidArgument(ref m) if m.contains(want)),
-                "{err} !~ {want}"
-            );
+            assert!(err.to_string().contains(want), "{err} !~ {want}");
         }
     }
 }

@@ -15,7 +15,8 @@ use crate::config::TOPOLOGY_KEY;
 use crate::error::NodeError;
 use crate::ids::VolumeId;
 use crate::node::Node;
-use crate::request::{abs_path, capability, export, has_export, resolved};
+use crate::request::{abs_path, capability, export, has_export, resolved, RequestError};
+use crate::service::codes::{self, Rpc as Call};
 use crate::volumes::{ExpandRequest, PublishRequest, StageRequest, Usage};
 
 #[derive(Debug)]
@@ -29,22 +30,20 @@ impl NodeService {
     }
 
     /// Runs one call inside its span, records the device the volume ended up on, and turns
-    /// the outcome into a gRPC answer (logging failures once, here).
-    async fn call<T, F>(
-        &self,
-        op: &'static str,
-        volume_id: &str,
-        f: F,
-    ) -> Result<Response<T>, Status>
+    /// the outcome into a gRPC answer through the one table ([`codes`]), logging failures
+    /// once, here.
+    async fn call<T, F>(&self, rpc: Call, volume_id: &str, f: F) -> Result<Response<T>, Status>
     where
         F: std::future::Future<Output = Result<T, NodeError>>,
     {
+        let op = rpc.name();
         let span = tracing::info_span!("csi", op, volume_id, device = tracing::field::Empty);
         let started = std::time::Instant::now();
         let result = f.instrument(span.clone()).await;
+        let result = result.map_err(|e| codes::status(rpc, &e));
         let code = match &result {
             Ok(_) => tonic::Code::Ok,
-            Err(e) => e.code(),
+            Err(status) => status.code(),
         };
         self.node
             .metrics
@@ -58,8 +57,7 @@ impl NodeService {
                 tracing::debug!("ok");
                 Ok(Response::new(v))
             }
-            Err(e) => {
-                let status = Status::from(e);
+            Err(status) => {
                 tracing::warn!(code = ?status.code(), message = status.message(), "failed");
                 Err(status)
             }
@@ -80,7 +78,7 @@ impl NodeApi for NodeService {
         request: Request<NodeStageVolumeRequest>,
     ) -> Result<Response<NodeStageVolumeResponse>, Status> {
         let r = request.into_inner();
-        self.call("NodeStageVolume", &r.volume_id, async {
+        self.call(Call::NodeStage, &r.volume_id, async {
             let req = StageRequest {
                 volume: VolumeId::parse(&r.volume_id)?,
                 staging_path: resolved(abs_path("staging_target_path", &r.staging_target_path)?),
@@ -100,7 +98,7 @@ impl NodeApi for NodeService {
         request: Request<NodeUnstageVolumeRequest>,
     ) -> Result<Response<NodeUnstageVolumeResponse>, Status> {
         let r = request.into_inner();
-        self.call("NodeUnstageVolume", &r.volume_id, async {
+        self.call(Call::NodeUnstage, &r.volume_id, async {
             let volume = VolumeId::parse(&r.volume_id)?;
             let staging = resolved(abs_path("staging_target_path", &r.staging_target_path)?);
             self.node
@@ -116,7 +114,7 @@ impl NodeApi for NodeService {
         request: Request<NodePublishVolumeRequest>,
     ) -> Result<Response<NodePublishVolumeResponse>, Status> {
         let r = request.into_inner();
-        self.call("NodePublishVolume", &r.volume_id, async {
+        self.call(Call::NodePublish, &r.volume_id, async {
             let req = PublishRequest {
                 volume: VolumeId::parse(&r.volume_id)?,
                 staging_path: resolved(abs_path("staging_target_path", &r.staging_target_path)?),
@@ -142,7 +140,7 @@ impl NodeApi for NodeService {
         request: Request<NodeUnpublishVolumeRequest>,
     ) -> Result<Response<NodeUnpublishVolumeResponse>, Status> {
         let r = request.into_inner();
-        self.call("NodeUnpublishVolume", &r.volume_id, async {
+        self.call(Call::NodeUnpublish, &r.volume_id, async {
             let volume = VolumeId::parse(&r.volume_id)?;
             let target = resolved(abs_path("target_path", &r.target_path)?);
             self.node
@@ -158,7 +156,7 @@ impl NodeApi for NodeService {
         request: Request<NodeGetVolumeStatsRequest>,
     ) -> Result<Response<NodeGetVolumeStatsResponse>, Status> {
         let r = request.into_inner();
-        self.call("NodeGetVolumeStats", &r.volume_id, async {
+        self.call(Call::NodeGetVolumeStats, &r.volume_id, async {
             let volume = VolumeId::parse(&r.volume_id)?;
             // An unknown volume is NOT_FOUND whatever else is wrong with the request.
             self.node.require_known(&volume)?;
@@ -202,12 +200,10 @@ impl NodeApi for NodeService {
         request: Request<NodeExpandVolumeRequest>,
     ) -> Result<Response<NodeExpandVolumeResponse>, Status> {
         let r = request.into_inner();
-        self.call("NodeExpandVolume", &r.volume_id, async {
+        self.call(Call::NodeExpand, &r.volume_id, async {
             let required = r.capacity_range.as_ref().map(|c| c.required_bytes);
             if required.is_some_and(|b| b < 0) {
-                return Err(NodeError::invalid(
-                    "capacity_range.required_bytes must not be negative",
-                ));
+                return Err(RequestError::NegativeCapacity.into());
             }
             if let Some(cap) = r.volume_capability.as_ref() {
                 capability(Some(cap))?;

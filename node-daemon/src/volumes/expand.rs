@@ -24,6 +24,40 @@ use crate::node::{export_uri, off_runtime, Node};
 use crate::record::{Access, Phase, Record};
 use crate::volumes::stage::staging_path;
 
+/// Why a NodeExpandVolume failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ExpandError {
+    #[error(
+        "export of volume {volume} is {size} bytes, less than the {required} requested: has ControllerExpandVolume finished?"
+    )]
+    ExportTooSmall {
+        volume: String,
+        size: u64,
+        required: u64,
+    },
+    #[error(
+        "the export of volume {volume} reports {export} bytes, less than the device's {current}: \
+         refusing to shrink it (volumes only grow)"
+    )]
+    Shrink {
+        volume: String,
+        current: u64,
+        export: u64,
+    },
+    /// The new size is served only on new connections, and these could not be made.
+    #[error(
+        "the export of volume {volume} serves its new size only on new connections, and this daemon cannot replace \
+         the device's existing ones (a unix-socket export attached before a restart that did not keep \
+         systemd's file-descriptor store); the device keeps its old size of {old} bytes: restart the pod \
+         to restage the volume"
+    )]
+    OldConnections { volume: String, old: u64 },
+    #[error(
+        "could not give volume {volume} new connections within {within:?}; its size is unchanged"
+    )]
+    ReplaceTimedOut { volume: String, within: Duration },
+}
+
 #[derive(Debug)]
 pub struct ExpandRequest {
     pub volume: VolumeId,
@@ -38,41 +72,46 @@ impl Node {
             .locks
             .lock_within(req.volume.as_str(), self.settings.call_patience)
             .await?;
-        let mut record = self.record(req.volume.as_str()).ok_or_else(|| {
-            NodeError::NotFound(format!("volume {} is not staged on this node", req.volume))
-        })?;
+        let mut record = self
+            .record(req.volume.as_str())
+            .ok_or_else(|| NodeError::NotStaged {
+                volume: req.volume.to_string(),
+            })?;
         if !record.owns_path(&req.volume_path) {
-            return Err(NodeError::NotFound(format!(
-                "volume {} is neither staged nor published at {}",
-                req.volume,
-                req.volume_path.display()
-            )));
+            return Err(NodeError::NotAtPath {
+                volume: req.volume.to_string(),
+                path: req.volume_path.clone(),
+            });
         }
         if !matches!(record.phase, Phase::Staged | Phase::Expanding { .. }) {
-            return Err(NodeError::FailedPrecondition(format!(
-                "volume {} is not staged (step: {:?})",
-                req.volume, record.phase
-            )));
+            return Err(NodeError::NotStagedYet {
+                volume: req.volume.to_string(),
+                phase: record.phase,
+            });
         }
-        let export = record.export.clone().ok_or_else(|| {
-            NodeError::FailedPrecondition(format!(
-                "the export of volume {} is not known yet; it is learned at the next NodePublish",
-                req.volume
-            ))
-        })?;
+        let export = record
+            .export
+            .clone()
+            .ok_or_else(|| NodeError::ExportUnknown {
+                volume: req.volume.to_string(),
+            })?;
         let (info, _probe_socket) =
             nbd::dial::dial_one(&export_uri(&export)?, &self.dial_options(&export)?).await?;
         if let Some(required) = req.required_bytes {
             if info.size < required {
-                return Err(NodeError::FailedPrecondition(format!(
-                    "export of volume {} is {} bytes, less than the {required} requested: has ControllerExpandVolume finished?",
-                    req.volume, info.size
-                )));
+                return Err(ExpandError::ExportTooSmall {
+                    volume: req.volume.to_string(),
+                    size: info.size,
+                    required,
+                }
+                .into());
             }
         }
-        let device = self.proven_device(&record)?.ok_or_else(|| {
-            NodeError::FailedPrecondition(format!("device of volume {} is gone", record.volume_id))
-        })?;
+        let device = self
+            .proven_device(&record)?
+            .ok_or_else(|| NodeError::DeviceGone {
+                volume: record.volume_id.clone(),
+            })?;
         let current = self.sysfs.size_bytes(device.index())?;
         refuse_shrink(&record.volume_id, current, info.size)?;
         record.phase = Phase::Expanding {
@@ -88,9 +127,11 @@ impl Node {
             return Ok(record.size_bytes.unwrap_or_default());
         };
         self.thaw_staging(&record).await?;
-        let device = self.proven_device(&record)?.ok_or_else(|| {
-            NodeError::FailedPrecondition(format!("device of volume {} is gone", record.volume_id))
-        })?;
+        let device = self
+            .proven_device(&record)?
+            .ok_or_else(|| NodeError::DeviceGone {
+                volume: record.volume_id.clone(),
+            })?;
         let index = device.index();
         let dev = self.sysfs.dev_path(index);
         let current = self.sysfs.size_bytes(index)?;
@@ -122,13 +163,11 @@ impl Node {
             };
             self.resize(&record.volume_id, &device, old).await?;
             self.end_expansion(&mut record, old)?;
-            return Err(NodeError::FailedPrecondition(format!(
-                "the export of volume {} serves its new size only on new connections, and this daemon cannot replace \
-                 the device's existing ones (a unix-socket export attached before a restart that did not keep \
-                 systemd's file-descriptor store); the device keeps its old size of {old} bytes: restart the pod \
-                 to restage the volume",
-                record.volume_id
-            )));
+            return Err(ExpandError::OldConnections {
+                volume: record.volume_id.clone(),
+                old,
+            }
+            .into());
         }
         fail::fail_point!("expand-after-resize");
         crate::failpoints::pause("expand-after-resize").await;
@@ -193,13 +232,13 @@ impl Node {
     ) -> Result<(), NodeError> {
         let staging = self.our_staging_mount(record)?;
         if let Some(dir) = staging.clone() {
-            off_runtime("freeze", move || crate::blockdev::freeze(&dir)).await?;
+            off_runtime("freeze", move || Ok(crate::blockdev::freeze(&dir)?)).await?;
             fail::fail_point!("expand-while-frozen");
             crate::failpoints::pause("expand-while-frozen").await;
         }
         let replaced = self.replace_connections(record, device, current).await;
         if let Some(dir) = staging {
-            off_runtime("thaw", move || crate::blockdev::thaw(&dir)).await?;
+            off_runtime("thaw", move || Ok(crate::blockdev::thaw(&dir)?)).await?;
         }
         replaced
     }
@@ -221,7 +260,7 @@ impl Node {
     /// before the expansion is finished (a no-op when it is not frozen).
     async fn thaw_staging(&self, record: &Record) -> Result<(), NodeError> {
         if let Some(dir) = self.our_staging_mount(record)? {
-            off_runtime("thaw", move || crate::blockdev::thaw(&dir)).await?;
+            off_runtime("thaw", move || Ok(crate::blockdev::thaw(&dir)?)).await?;
         }
         Ok(())
     }
@@ -269,11 +308,11 @@ impl Node {
                 }
             }
             if std::time::Instant::now() > until {
-                return Err(NodeError::Unavailable(format!(
-                    "could not give volume {} new connections within {:?}; its size is unchanged",
-                    record.volume_id,
-                    connections::REPLACE_WITHIN
-                )));
+                return Err(ExpandError::ReplaceTimedOut {
+                    volume: record.volume_id.clone(),
+                    within: connections::REPLACE_WITHIN,
+                }
+                .into());
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
@@ -284,10 +323,12 @@ impl Node {
 /// image, a restore into a smaller volume), and a shrunk device cuts the filesystem short.
 fn refuse_shrink(volume: &str, current: u64, export: u64) -> Result<(), NodeError> {
     if export < current {
-        return Err(NodeError::FailedPrecondition(format!(
-            "the export of volume {volume} reports {export} bytes, less than the device's {current}: \
-             refusing to shrink it (volumes only grow)"
-        )));
+        return Err(ExpandError::Shrink {
+            volume: volume.to_owned(),
+            current,
+            export,
+        }
+        .into());
     }
     Ok(())
 }

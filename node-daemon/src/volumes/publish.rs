@@ -12,6 +12,49 @@ use crate::record::{Access, Export, Phase, Record, Target, TargetPhase};
 use crate::request::Capability;
 use crate::volumes::stage::staging_path;
 
+/// Why a NodePublishVolume or NodeUnpublishVolume failed.
+#[derive(Debug, thiserror::Error)]
+pub enum PublishError {
+    /// The same target, asked for with another read-only flag.
+    #[error("volume {volume} is already published at {} with readonly={read_only}", target.display())]
+    PublishedOtherwise {
+        volume: String,
+        target: PathBuf,
+        read_only: bool,
+    },
+    /// A second target for an access mode that allows one workload.
+    #[error(
+        "volume {volume} allows one workload ({mode:?}) and is already published at {targets}"
+    )]
+    SingleWorkload {
+        volume: String,
+        mode: crate::record::AccessMode,
+        targets: String,
+    },
+    #[error(
+        "volume {volume} is published on this node {} at {targets}; a raw block volume cannot be read-only for one pod and writable for another",
+        if *read_only { "writable" } else { "read-only" }
+    )]
+    MixedReadOnly {
+        volume: String,
+        /// What this request asked for.
+        read_only: bool,
+        targets: String,
+    },
+    #[error("{} already has another mount on it", path.display())]
+    TargetTaken { path: PathBuf },
+    #[error("creating {}: {source}", path.display())]
+    CreateTarget {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("removing {}: {source}", path.display())]
+    RemoveTarget {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
 /// A validated NodePublishVolume.
 #[derive(Debug)]
 pub struct PublishRequest {
@@ -31,17 +74,16 @@ impl Node {
             .locks
             .lock_within(req.volume.as_str(), self.settings.call_patience)
             .await?;
-        let mut record = self.record(req.volume.as_str()).ok_or_else(|| {
-            NodeError::FailedPrecondition(format!(
-                "volume {} is not staged on this node: NodeStageVolume must succeed first",
-                req.volume
-            ))
-        })?;
+        let mut record = self
+            .record(req.volume.as_str())
+            .ok_or_else(|| NodeError::NotStaged {
+                volume: req.volume.to_string(),
+            })?;
         if !matches!(record.phase, Phase::Staged) {
-            return Err(NodeError::FailedPrecondition(format!(
-                "volume {} is not staged yet (step: {:?})",
-                req.volume, record.phase
-            )));
+            return Err(NodeError::NotStagedYet {
+                volume: req.volume.to_string(),
+                phase: record.phase,
+            });
         }
         if record.inferred() {
             // Rebuilt from kernel facts: take the CO's word for paths, capability and export.
@@ -52,48 +94,48 @@ impl Node {
             }
         }
         if !record.is_staging_path(&req.staging_path) {
-            return Err(NodeError::FailedPrecondition(format!(
-                "volume {} is staged at {}, not at {}",
-                req.volume,
-                staging_path(&record)?.display(),
-                req.staging_path.display()
-            )));
+            return Err(NodeError::WrongStagingPath {
+                volume: req.volume.to_string(),
+                staged: staging_path(&record)?.to_owned(),
+                asked: req.staging_path.clone(),
+            });
         }
         if record.access != req.capability.access || record.mode != req.capability.mode {
-            return Err(NodeError::InvalidArgument(format!(
-                "volume {} was staged with another capability ({}, {:?})",
-                req.volume, record.access, record.mode
-            )));
+            return Err(NodeError::OtherCapability {
+                volume: req.volume.to_string(),
+                access: record.access,
+                mode: record.mode,
+            });
         }
         let read_only = req.read_only || record.mode.read_only();
 
         if let Some(existing) = record.targets.get(&req.target).copied() {
             if existing.read_only != read_only {
-                return Err(NodeError::AlreadyExists(format!(
-                    "volume {} is already published at {} with readonly={}",
-                    req.volume,
-                    req.target.display(),
-                    existing.read_only
-                )));
+                return Err(PublishError::PublishedOtherwise {
+                    volume: req.volume.to_string(),
+                    target: req.target.clone(),
+                    read_only: existing.read_only,
+                }
+                .into());
             }
         } else if record.mode.single_target() && !record.targets.is_empty() {
-            return Err(NodeError::FailedPrecondition(format!(
-                "volume {} allows one workload ({:?}) and is already published at {}",
-                req.volume,
-                record.mode,
-                crate::node::paths(&record.targets)
-            )));
+            return Err(PublishError::SingleWorkload {
+                volume: req.volume.to_string(),
+                mode: record.mode,
+                targets: crate::node::paths(&record.targets),
+            }
+            .into());
         } else if record.access.is_block()
             && record.targets.values().any(|t| t.read_only != read_only)
         {
             // A block device is read-only for all its users or for none: a read-only bind
             // of a device node does not stop writes to the device.
-            return Err(NodeError::FailedPrecondition(format!(
-                "volume {} is published on this node {} at {}; a raw block volume cannot be read-only for one pod and writable for another",
-                req.volume,
-                if read_only { "writable" } else { "read-only" },
-                crate::node::paths(&record.targets)
-            )));
+            return Err(PublishError::MixedReadOnly {
+                volume: req.volume.to_string(),
+                read_only,
+                targets: crate::node::paths(&record.targets),
+            }
+            .into());
         }
 
         record.targets.insert(
@@ -122,12 +164,11 @@ impl Node {
         target: &Path,
         read_only: bool,
     ) -> Result<(), NodeError> {
-        let device = self.proven_device(record)?.ok_or_else(|| {
-            NodeError::FailedPrecondition(format!(
-                "device of volume {} is gone: NodeStageVolume must attach it again",
-                record.volume_id
-            ))
-        })?;
+        let device = self
+            .proven_device(record)?
+            .ok_or_else(|| NodeError::DeviceGone {
+                volume: record.volume_id.clone(),
+            })?;
         let dev = self.sysfs.dev_path(device.index());
         if self.mount_staging(record, device.index()).await? {
             tracing::warn!(volume = %record.volume_id, "staging mount was gone; mounted it again before publishing");
@@ -136,7 +177,7 @@ impl Node {
             let ro = read_only || record.mode.read_only();
             let dev = dev.clone();
             off_runtime("set read-only", move || {
-                crate::blockdev::set_read_only(&dev, ro)
+                Ok(crate::blockdev::set_read_only(&dev, ro)?)
             })
             .await?;
         }
@@ -155,10 +196,10 @@ impl Node {
             return Ok(());
         }
         if table.is_mount_point(target) {
-            return Err(NodeError::FailedPrecondition(format!(
-                "{} already has another mount on it",
-                target.display()
-            )));
+            return Err(PublishError::TargetTaken {
+                path: target.to_owned(),
+            }
+            .into());
         }
         let target = target.to_owned();
         match &record.access {
@@ -170,8 +211,9 @@ impl Node {
                         .truncate(false)
                         .write(true)
                         .open(&target)
-                        .map_err(|e| {
-                            NodeError::Internal(format!("creating {}: {e}", target.display()))
+                        .map_err(|source| PublishError::CreateTarget {
+                            path: target.clone(),
+                            source,
                         })?;
                     Ok(mounts::ops::bind(&dev, &target, read_only)?)
                 })
@@ -180,8 +222,11 @@ impl Node {
             Access::Mount { .. } => {
                 let staging = staging_path(record)?.to_owned();
                 off_runtime("bind mount", move || {
-                    std::fs::create_dir_all(&target).map_err(|e| {
-                        NodeError::Internal(format!("creating {}: {e}", target.display()))
+                    std::fs::create_dir_all(&target).map_err(|source| {
+                        PublishError::CreateTarget {
+                            path: target.clone(),
+                            source,
+                        }
                     })?;
                     Ok(mounts::ops::bind(&staging, &target, read_only)?)
                 })
@@ -215,7 +260,7 @@ impl Node {
             if let Some(device) = self.proven_device(&record)? {
                 let dev = self.sysfs.dev_path(device.index());
                 off_runtime("set read-write", move || {
-                    crate::blockdev::set_read_only(&dev, false)
+                    Ok(crate::blockdev::set_read_only(&dev, false)?)
                 })
                 .await?;
             }
@@ -266,9 +311,10 @@ pub(crate) fn release_target(target: &Path, block: bool) -> Result<(), NodeError
     match removed {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(NodeError::Internal(format!(
-            "removing {}: {e}",
-            target.display()
-        ))),
+        Err(source) => Err(PublishError::RemoveTarget {
+            path: target.to_owned(),
+            source,
+        }
+        .into()),
     }
 }

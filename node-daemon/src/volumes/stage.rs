@@ -21,6 +21,7 @@ use crate::ids::{random_uuid, Identifier, VolumeId};
 use crate::node::{device_numbers, export_uri, flush_device, identifier, off_runtime, Node};
 use crate::record::{Access, Export, Phase, Record, TargetPhase, SCHEMA};
 use crate::request::Capability;
+use crate::service::codes::{answer, Rpc, Then};
 
 /// A validated NodeStageVolume.
 #[derive(Debug)]
@@ -29,6 +30,113 @@ pub struct StageRequest {
     pub staging_path: PathBuf,
     pub capability: Capability,
     pub export: Export,
+}
+
+/// Why a NodeStageVolume failed. The four steps wrap what failed inside them; the refusals
+/// name what the request clashes with.
+#[derive(Debug, thiserror::Error)]
+pub enum StageError {
+    /// CONNECT (or finding the device of an interrupted one) failed.
+    #[error("{source}")]
+    Attach {
+        volume: String,
+        source: Box<NodeError>,
+    },
+    /// Reading what the device holds failed, or what it holds cannot be staged.
+    #[error("{source}")]
+    Probe {
+        volume: String,
+        source: Box<NodeError>,
+    },
+    #[error("{source}")]
+    Format {
+        volume: String,
+        source: Box<NodeError>,
+    },
+    /// The staging mount, or growing the filesystem to the device, failed.
+    #[error("{source}")]
+    Mount {
+        volume: String,
+        source: Box<NodeError>,
+    },
+    #[error(
+        "export {uri} is already staged on this node as volume {other}; one export can be mounted by one volume at a time"
+    )]
+    SharedExport { uri: String, other: String },
+    #[error("volume {volume} is already staged at {}; unstage it there first", staged.display())]
+    StagedElsewhere { volume: String, staged: PathBuf },
+    #[error("volume {volume} is already staged from {staged}, not {requested}")]
+    OtherExport {
+        volume: String,
+        staged: String,
+        requested: String,
+    },
+    #[error("volume {volume} is being unstaged")]
+    BeingUnstaged { volume: String },
+    #[error("staging volume {volume} did not settle after {steps} steps")]
+    DidNotSettle { volume: String, steps: usize },
+    #[error("volume {volume} has no known export")]
+    NoExport { volume: String },
+    #[error(
+        "the export of volume {volume} is {size} bytes, not a positive multiple of 512: the kernel cannot attach it"
+    )]
+    ExportSize { volume: String, size: u64 },
+    #[error("volume {volume} holds no filesystem and is staged read-only: nothing to mount")]
+    ReadOnlyBlank { volume: String },
+    #[error("volume {volume} holds {found}, not the requested {wanted}: refusing to reformat it")]
+    ForeignFilesystem {
+        volume: String,
+        found: String,
+        wanted: String,
+    },
+    /// After a crash mid-mkfs, the filesystem there is not provably ours.
+    #[error("volume {volume}: refusing to format it again: {source}")]
+    FormatAgain {
+        volume: String,
+        source: mounts::Error,
+    },
+    #[error(
+        "volume {volume} now holds {found}, which this daemon did not write: refusing to format it"
+    )]
+    FilesystemAppeared { volume: String, found: String },
+    #[error("{} already has something else mounted on it", path.display())]
+    StagingPathTaken { path: PathBuf },
+    #[error("creating {}: {source}", path.display())]
+    CreateStagingDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// The device vanished between the check and the step that needs it.
+    #[error("volume {volume} lost its device mid-stage; retry to attach it again")]
+    DeviceLost { volume: String },
+}
+
+impl StageError {
+    /// The step's error with the step named; an error that already is a stage error is
+    /// not wrapped twice.
+    fn step(
+        wrap: fn(String, Box<NodeError>) -> StageError,
+        volume: &str,
+    ) -> impl FnOnce(NodeError) -> NodeError + '_ {
+        move |e| match e {
+            NodeError::Stage(_) => e,
+            e => wrap(volume.to_owned(), Box::new(e)).into(),
+        }
+    }
+}
+
+/// Why a NodeUnstageVolume refused.
+#[derive(Debug, thiserror::Error)]
+pub enum UnstageError {
+    #[error("volume {volume} is still published at {targets}: unpublish it first")]
+    StillPublished { volume: String, targets: String },
+    /// Someone else's mount of the device or of the staging path.
+    #[error("{device} of volume {volume} is still mounted at {mounts}: refusing to detach it")]
+    ForeignUsers {
+        device: DeviceIndex,
+        volume: String,
+        mounts: String,
+    },
 }
 
 /// Steps staging may take in one call; more means the state keeps changing under us.
@@ -80,9 +188,10 @@ impl Node {
         let volume = record.volume_id.clone();
         let result = self.run_stage(record).await;
         if let Err(e) = &result {
-            if !was_staged && e.is_final() {
+            let answer = answer(Rpc::NodeStage, e);
+            if !was_staged && answer.then == Then::RollBack {
                 // kubelet takes this answer as final and will never call NodeUnstage.
-                self.undo_failed_stage(&volume, e).await;
+                self.undo_failed_stage(&volume, answer.code).await;
             } else {
                 self.roll_back_failed_attach(&volume)?;
             }
@@ -104,11 +213,11 @@ impl Node {
     /// Undoes a stage that ended in a final error: unmounts what it mounted, disconnects the
     /// proven device, forgets the record. The original error is what the CO is told; an
     /// undo that fails leaves the record (for the next call or `status`) and is logged.
-    async fn undo_failed_stage(&self, volume: &str, cause: &NodeError) {
+    async fn undo_failed_stage(&self, volume: &str, code: tonic::Code) {
         let Some(mut record) = self.record(volume) else {
             return;
         };
-        tracing::warn!(%volume, code = ?cause.code(), "stage failed for good; undoing what it did");
+        tracing::warn!(%volume, ?code, "stage failed for good; undoing what it did");
         record.phase = Phase::Unstaging;
         let undone = match self.save(&record) {
             Ok(()) => self.run_unstage(record).await,
@@ -129,10 +238,11 @@ impl Node {
                 && r.export.as_ref().is_some_and(|e| e.uri == req.export.uri)
         });
         match clash {
-            Some(other) => Err(NodeError::FailedPrecondition(format!(
-                "export {} is already staged on this node as volume {}; one export can be mounted by one volume at a time",
-                req.export.uri, other.volume_id
-            ))),
+            Some(other) => Err(StageError::SharedExport {
+                uri: req.export.uri.clone(),
+                other: other.volume_id,
+            }
+            .into()),
             None => Ok(()),
         }
     }
@@ -149,25 +259,28 @@ impl Node {
         }
         if let Some(staged) = &record.staging_path {
             if staged != &req.staging_path {
-                return Err(NodeError::AlreadyExists(format!(
-                    "volume {} is already staged at {}; unstage it there first",
-                    req.volume,
-                    staged.display()
-                )));
+                return Err(StageError::StagedElsewhere {
+                    volume: req.volume.to_string(),
+                    staged: staged.clone(),
+                }
+                .into());
             }
         }
         if record.access != req.capability.access || record.mode != req.capability.mode {
-            return Err(NodeError::AlreadyExists(format!(
-                "volume {} is already staged with another capability ({}, {:?})",
-                req.volume, record.access, record.mode
-            )));
+            return Err(NodeError::OtherCapability {
+                volume: req.volume.to_string(),
+                access: record.access,
+                mode: record.mode,
+            });
         }
         match &record.export {
             Some(e) if e.uri != req.export.uri => {
-                return Err(NodeError::AlreadyExists(format!(
-                    "volume {} is already staged from {}, not {}",
-                    req.volume, e.uri, req.export.uri
-                )))
+                return Err(StageError::OtherExport {
+                    volume: req.volume.to_string(),
+                    staged: e.uri.clone(),
+                    requested: req.export.uri.clone(),
+                }
+                .into())
             }
             Some(e) if e.tls_profile != req.export.tls_profile => {
                 // The profile names where the files of the next dial are, nothing attached
@@ -237,11 +350,31 @@ impl Node {
                 record.phase = Phase::Attaching;
                 self.save(&record)?;
             }
+            let volume = record.volume_id.clone();
             record.phase = match record.phase {
-                Phase::Attaching => self.step_attach(&mut record).await?,
-                Phase::Attached => self.step_probe(&mut record).await?,
-                Phase::Formatting => self.step_format(&record).await?,
-                Phase::Mounting => self.step_mount(&record).await?,
+                Phase::Attaching => {
+                    self.step_attach(&mut record)
+                        .await
+                        .map_err(StageError::step(
+                            |volume, source| StageError::Attach { volume, source },
+                            &volume,
+                        ))?
+                }
+                Phase::Attached => self
+                    .step_probe(&mut record)
+                    .await
+                    .map_err(StageError::step(
+                        |volume, source| StageError::Probe { volume, source },
+                        &volume,
+                    ))?,
+                Phase::Formatting => self.step_format(&record).await.map_err(StageError::step(
+                    |volume, source| StageError::Format { volume, source },
+                    &volume,
+                ))?,
+                Phase::Mounting => self.step_mount(&record).await.map_err(StageError::step(
+                    |volume, source| StageError::Mount { volume, source },
+                    &volume,
+                ))?,
                 Phase::Expanding { .. } => return self.run_expand(record).await.map(drop),
                 Phase::Staged => match self.check_staged(&mut record)? {
                     Some(repair) => repair,
@@ -251,28 +384,26 @@ impl Node {
                     },
                 },
                 Phase::Unstaging => {
-                    return Err(NodeError::Unavailable(format!(
-                        "volume {} is being unstaged",
-                        record.volume_id
-                    )))
+                    return Err(StageError::BeingUnstaged {
+                        volume: record.volume_id,
+                    }
+                    .into())
                 }
             };
             self.save(&record)?;
         }
-        Err(NodeError::Internal(format!(
-            "staging volume {} did not settle after {MAX_STEPS} steps",
-            record.volume_id
-        )))
+        Err(StageError::DidNotSettle {
+            volume: record.volume_id,
+            steps: MAX_STEPS,
+        }
+        .into())
     }
 
     /// CONNECT, unless the crash we are recovering from came after it: the identifier tells.
     async fn step_attach(&self, record: &mut Record) -> Result<Phase, NodeError> {
         let id = identifier(record)?;
-        let export = record.export.clone().ok_or_else(|| {
-            NodeError::FailedPrecondition(format!(
-                "volume {} has no known export",
-                record.volume_id
-            ))
+        let export = record.export.clone().ok_or_else(|| StageError::NoExport {
+            volume: record.volume_id.clone(),
         })?;
         // A record not yet journaled has a fresh identifier no device can carry: no scan.
         let journaled = self.record(&record.volume_id).is_some();
@@ -338,21 +469,21 @@ impl Node {
             Ok(mounts::format::probe(&dev)?)
         });
         match probed.await? {
-            Probe::Blank if record.mode.read_only() => Err(NodeError::FailedPrecondition(format!(
-                "volume {} holds no filesystem and is staged read-only: nothing to mount",
-                record.volume_id
-            ))),
+            Probe::Blank if record.mode.read_only() => Err(StageError::ReadOnlyBlank {
+                volume: record.volume_id.clone(),
+            }
+            .into()),
             Probe::Blank => {
                 record.fs_uuid = Some(random_uuid()?);
                 Ok(Phase::Formatting)
             }
             Probe::Filesystem(found) if &found == fs => Ok(Phase::Mounting),
-            Probe::Filesystem(found) | Probe::Other(found) => {
-                Err(NodeError::FailedPrecondition(format!(
-                    "volume {} holds {found}, not the requested {fs}: refusing to reformat it",
-                    record.volume_id
-                )))
+            Probe::Filesystem(found) | Probe::Other(found) => Err(StageError::ForeignFilesystem {
+                volume: record.volume_id.clone(),
+                found,
+                wanted: fs.clone(),
             }
+            .into()),
         }
     }
 
@@ -375,18 +506,15 @@ impl Node {
         off_runtime("mkfs", move || {
             crate::blockdev::drop_cache(&dev)?;
             match mounts::format::probe(&dev)? {
-            Probe::Blank => Ok(mounts::format::make_filesystem(&dev, fs, &uuid)?),
-            Probe::Filesystem(found) if found == fs.name() => {
-                mounts::format::redo_interrupted_format(&dev, fs, &uuid).map_err(|e| {
-                    NodeError::FailedPrecondition(format!(
-                        "volume {volume}: refusing to format it again: {e}"
-                    ))
-                })
+                Probe::Blank => Ok(mounts::format::make_filesystem(&dev, fs, &uuid)?),
+                Probe::Filesystem(found) if found == fs.name() => {
+                    mounts::format::redo_interrupted_format(&dev, fs, &uuid)
+                        .map_err(|source| StageError::FormatAgain { volume, source }.into())
+                }
+                Probe::Filesystem(found) | Probe::Other(found) => {
+                    Err(StageError::FilesystemAppeared { volume, found }.into())
+                }
             }
-            Probe::Filesystem(found) | Probe::Other(found) => Err(NodeError::FailedPrecondition(format!(
-                "volume {volume} now holds {found}, which this daemon did not write: refusing to format it"
-            ))),
-        }
         })
         .await?;
         fail::fail_point!("stage-after-mkfs");
@@ -430,10 +558,7 @@ impl Node {
             return Ok(false);
         }
         if MountTable::read()?.is_mount_point(&staging) {
-            return Err(NodeError::FailedPrecondition(format!(
-                "{} already has something else mounted on it",
-                staging.display()
-            )));
+            return Err(StageError::StagingPathTaken { path: staging }.into());
         }
         let fs: Filesystem = fs.parse()?;
         let mut opts = MountOptions::parse(flags)?;
@@ -446,8 +571,10 @@ impl Node {
             opts.data.push("nouuid".into());
         }
         off_runtime("mount", move || {
-            std::fs::create_dir_all(&staging)
-                .map_err(|e| NodeError::Internal(format!("creating {}: {e}", staging.display())))?;
+            std::fs::create_dir_all(&staging).map_err(|source| StageError::CreateStagingDir {
+                path: staging.clone(),
+                source,
+            })?;
             Ok(mounts::ops::mount_filesystem(
                 &dev,
                 &staging,
@@ -500,11 +627,11 @@ impl Node {
         }
         if let Some(staged) = &record.staging_path {
             if staged != staging_path {
-                return Err(NodeError::FailedPrecondition(format!(
-                    "volume {volume} is staged at {}, not at {}",
-                    staged.display(),
-                    staging_path.display()
-                )));
+                return Err(NodeError::WrongStagingPath {
+                    volume: volume.to_string(),
+                    staged: staged.clone(),
+                    asked: staging_path.to_owned(),
+                });
             }
         }
         self.drop_stale_targets(&mut record)?;
@@ -515,10 +642,11 @@ impl Node {
             .map(|(p, t)| (p.clone(), *t))
             .collect();
         if !published.is_empty() {
-            return Err(NodeError::FailedPrecondition(format!(
-                "volume {volume} is still published at {}: unpublish it first",
-                crate::node::paths(&published)
-            )));
+            return Err(UnstageError::StillPublished {
+                volume: volume.to_string(),
+                targets: crate::node::paths(&published),
+            }
+            .into());
         }
         self.refuse_foreign_users(&record)?;
         record
@@ -600,12 +728,12 @@ impl Node {
         if foreign.is_empty() {
             Ok(())
         } else {
-            Err(NodeError::FailedPrecondition(format!(
-                "{} of volume {} is still mounted at {}: refusing to detach it",
-                device.index(),
-                record.volume_id,
-                foreign.join(", ")
-            )))
+            Err(UnstageError::ForeignUsers {
+                device: device.index(),
+                volume: record.volume_id.clone(),
+                mounts: foreign.join(", "),
+            }
+            .into())
         }
     }
 
@@ -615,10 +743,10 @@ impl Node {
         self.proven_device(record)?
             .map(|d| d.index())
             .ok_or_else(|| {
-                NodeError::Unavailable(format!(
-                    "volume {} lost its device mid-stage; retry to attach it again",
-                    record.volume_id
-                ))
+                StageError::DeviceLost {
+                    volume: record.volume_id.clone(),
+                }
+                .into()
             })
     }
 
@@ -661,9 +789,11 @@ fn is_mount_point(path: &Path) -> Result<bool, NodeError> {
 /// 512 bytes would be cut short or refused deep in CONNECT. Said plainly instead.
 fn check_export_size(volume: &str, size: u64) -> Result<(), NodeError> {
     if size == 0 || !size.is_multiple_of(512) {
-        return Err(NodeError::FailedPrecondition(format!(
-            "the export of volume {volume} is {size} bytes, not a positive multiple of 512: the kernel cannot attach it"
-        )));
+        return Err(StageError::ExportSize {
+            volume: volume.to_owned(),
+            size,
+        }
+        .into());
     }
     Ok(())
 }
@@ -673,19 +803,17 @@ fn check_export_size(volume: &str, size: u64) -> Result<(), NodeError> {
 fn no_free_device(e: nbd::Error) -> NodeError {
     match e.errno() {
         Some(libc::ENOSPC) | Some(libc::ENODEV) | Some(libc::EMFILE) => {
-            NodeError::ResourceExhausted(format!(
-                "no free NBD device on this node ({e}); raise the nbd module's nbds_max or move volumes away"
-            ))
+            NodeError::NoFreeDevice { source: e }
         }
         _ => NodeError::Nbd(e),
     }
 }
 
 pub(crate) fn staging_path(record: &Record) -> Result<&Path, NodeError> {
-    record.staging_path.as_deref().ok_or_else(|| {
-        NodeError::FailedPrecondition(format!(
-            "staging path of volume {} is unknown",
-            record.volume_id
-        ))
-    })
+    record
+        .staging_path
+        .as_deref()
+        .ok_or_else(|| NodeError::StagingPathUnknown {
+            volume: record.volume_id.clone(),
+        })
 }

@@ -28,14 +28,16 @@ pub struct Stats {
 impl Node {
     pub async fn stats(&self, volume: &VolumeId, path: &Path) -> Result<Stats, NodeError> {
         self.ensure_ready()?;
-        let record = self.record(volume.as_str()).ok_or_else(|| {
-            NodeError::NotFound(format!("volume {volume} is not staged on this node"))
-        })?;
+        let record = self
+            .record(volume.as_str())
+            .ok_or_else(|| NodeError::NotStaged {
+                volume: volume.to_string(),
+            })?;
         if !record.owns_path(path) {
-            return Err(NodeError::NotFound(format!(
-                "volume {volume} is neither staged nor published at {}",
-                path.display()
-            )));
+            return Err(NodeError::NotAtPath {
+                volume: volume.to_string(),
+                path: path.to_owned(),
+            });
         }
         let (abnormal, message) = self.condition(&record)?;
         let usage = match &record.access {
