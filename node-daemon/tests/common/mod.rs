@@ -5,11 +5,14 @@
 
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use csi_proto::csi::volume_capability::access_mode::Mode;
 use csi_proto::csi::VolumeCapability;
 use mounts::MountTable;
+use nbd::netlink::NbdNetlink;
 use nbd::sysfs::Sysfs;
+use nbd::BackendId;
 use testkit::csi::*;
 use testkit::daemon::NodeDaemon;
 use testkit::{pattern, DirectFile, Listen, NbdServer};
@@ -410,4 +413,31 @@ pub fn journal_record(daemon: &NodeDaemon, volume: &str) -> serde_json::Value {
         .filter_map(|f| serde_json::from_slice::<serde_json::Value>(&std::fs::read(f).ok()?).ok())
         .find(|r| r["volume_id"] == volume)
         .unwrap_or_else(|| panic!("no journal record of {volume}"))
+}
+
+/// The filesystem UUID of an image file, as blkid reads it.
+pub fn image_uuid(image: &Path) -> String {
+    let out = std::process::Command::new("blkid")
+        .args(["-p", "-o", "value", "-s", "UUID"])
+        .arg(image)
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// Disconnects a volume's device behind the daemon's back, as a reboot or an operator would.
+pub async fn disconnect_behind_the_back(vol: &Volume, daemon: &NodeDaemon) {
+    let sysfs = Sysfs::default();
+    let index = vol.device(daemon).expect("the volume has a device");
+    let id = BackendId::new(sysfs.backend(index).unwrap().unwrap()).unwrap();
+    let proven = sysfs.prove(index, &id).unwrap();
+    NbdNetlink::open()
+        .await
+        .unwrap()
+        .disconnect(&proven)
+        .await
+        .unwrap();
+    nbd::attach::wait_released(&sysfs, index, Duration::from_secs(30))
+        .await
+        .unwrap();
 }

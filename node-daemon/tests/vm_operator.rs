@@ -1,0 +1,353 @@
+//! What an operator sees and uses, against the real kernel: systemd's readiness, status and
+//! watchdog messages, `status` naming every disagreement, `repair` cleaning what it flags and
+//! nothing else. Ignored on the host; run in the VM on every kernel line by `tests/vm/run`.
+
+#![allow(clippy::unwrap_used)] // a test fails by panicking
+
+use std::time::{Duration, Instant};
+
+use nbd::netlink::NbdNetlink;
+use nbd::sysfs::Sysfs;
+use nbd::BackendId;
+use testkit::daemon::NodeDaemon;
+use testkit::Listen;
+
+mod common;
+use common::*;
+
+/// The fields of one entry in the journal's native protocol: `NAME=value` lines, or `NAME`,
+/// a 64-bit little-endian length and that many bytes of value.
+fn journal_fields(mut data: &[u8]) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    while let Some(end) = data.iter().position(|b| *b == b'=' || *b == b'\n') {
+        let name = String::from_utf8_lossy(&data[..end]).into_owned();
+        let value;
+        if data[end] == b'=' {
+            let stop = data[end..].iter().position(|b| *b == b'\n').unwrap() + end;
+            value = data[end + 1..stop].to_vec();
+            data = &data[stop + 1..];
+        } else {
+            let len = u64::from_le_bytes(data[end + 1..end + 9].try_into().unwrap()) as usize;
+            value = data[end + 9..end + 9 + len].to_vec();
+            data = &data[end + 9 + len + 1..];
+        }
+        out.push((name, String::from_utf8_lossy(&value).into_owned()));
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn systemd_hears_ready_status_and_watchdog_keep_alives() {
+    use std::os::unix::net::UnixDatagram;
+    let mut daemon = NodeDaemon::new("notify", CONFIG).unwrap();
+    let socket = daemon.scratch().join("notify.sock");
+    let listener = UnixDatagram::bind(&socket).unwrap();
+    listener
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    // The journal's socket, as systemd-journald binds it (the guest runs no journald).
+    std::fs::create_dir_all("/run/systemd/journal").unwrap();
+    let _ = std::fs::remove_file("/run/systemd/journal/socket");
+    let journal = UnixDatagram::bind("/run/systemd/journal/socket").unwrap();
+    journal
+        .set_read_timeout(Some(Duration::from_millis(100)))
+        .unwrap();
+    // Read all along, as journald does: a full queue would block the daemon's logging.
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reader = {
+        let done = std::sync::Arc::clone(&done);
+        std::thread::spawn(move || {
+            let mut entries = Vec::new();
+            let mut entry = vec![0u8; 65536];
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                if let Ok(n) = journal.recv(&mut entry) {
+                    entries.push(journal_fields(&entry[..n]));
+                }
+            }
+            entries
+        })
+    };
+    daemon.env = vec![
+        ("NOTIFY_SOCKET".into(), socket.display().to_string()),
+        ("WATCHDOG_USEC".into(), "1000000".into()),
+        ("JOURNAL_STREAM".into(), "8:1234".into()),
+    ];
+    let mut c = daemon.start(None).await;
+    // READY=1 comes once recovery is done, before any volume of this test is attached.
+    let mut buf = [0u8; 4096];
+    let n = listener.recv(&mut buf).unwrap();
+    let mut messages = vec![String::from_utf8_lossy(&buf[..n]).into_owned()];
+    let vol = Volume::new(&daemon, "notified", 16 * MIB, block());
+    vol.up(&mut c).await;
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(3) {
+        let n = listener.recv(&mut buf).unwrap();
+        messages.push(String::from_utf8_lossy(&buf[..n]).into_owned());
+    }
+    if !(messages[0].contains("READY=1") && messages[0].contains("0 volume(s) attached")) {
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        let entries = reader.join().unwrap();
+        panic!("{messages:?}; journal: {entries:?}");
+    }
+    let keep_alives = messages.iter().filter(|m| m.contains("WATCHDOG=1")).count();
+    assert!(keep_alives >= 3, "every half second: {messages:?}");
+    assert!(
+        messages.iter().any(|m| m.contains("1 volume(s) attached")),
+        "{messages:?}"
+    );
+    // A stopped daemon sends nothing: the keep-alive is not a timer of its own.
+    let pid = std::process::Command::new("pidof")
+        .arg("ustor-csi-node")
+        .output()
+        .unwrap();
+    let pid: i32 = String::from_utf8_lossy(&pid.stdout).trim().parse().unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGSTOP,
+    )
+    .unwrap();
+    while listener
+        .set_read_timeout(Some(Duration::from_millis(100)))
+        .is_ok()
+        && listener.recv(&mut buf).is_ok()
+    {}
+    listener
+        .set_read_timeout(Some(Duration::from_secs(2)))
+        .unwrap();
+    assert!(
+        listener.recv(&mut buf).is_err(),
+        "no keep-alive while stopped"
+    );
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGCONT,
+    )
+    .unwrap();
+    vol.down(&mut c).await;
+    // Log entries reached the journal with the volume id as a field of their own.
+    daemon.kill();
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    let entries = reader.join().unwrap();
+    std::fs::remove_file("/run/systemd/journal/socket").unwrap();
+    let field = |e: &Vec<(String, String)>, name: &str| {
+        e.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone())
+    };
+    assert!(
+        entries.iter().any(|e| {
+            field(e, "VOLUME_ID").as_deref() == Some("notified")
+                && field(e, "SYSLOG_IDENTIFIER").as_deref() == Some("ustor-csi-node")
+        }),
+        "no journal entry carries VOLUME_ID=notified: {entries:?}"
+    );
+    assert_clean(&daemon);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn status_names_every_disagreement_and_exits_accordingly() {
+    let mut daemon = NodeDaemon::new("status", CONFIG).unwrap();
+    let mut c = daemon.start(None).await;
+    let fs_vol = Volume::new_on(&daemon, "st-fs", 64 * MIB, ext4(), Listen::Tcp);
+    let blk_vol = Volume::new(&daemon, "st-blk", 32 * MIB, block());
+    fs_vol.up(&mut c).await;
+    blk_vol.up(&mut c).await;
+    // Someone else's device beside ours: shown, and not a problem.
+    let stranger = testkit::NbdServer::nbdkit(Listen::Unix, &["memory", "8M"]).unwrap();
+    let nl = NbdNetlink::open().await.unwrap();
+    let sysfs = Sysfs::default();
+    let foreign = nbd::attach::attach(
+        &nl,
+        &sysfs,
+        &stranger.uri(),
+        &nbd::attach::AttachOptions::new(BackendId::new("someone-else:1").unwrap()),
+    )
+    .await
+    .unwrap();
+
+    let (code, st) = status_of(&daemon);
+    assert_eq!(code, 0, "consistent: {st}");
+    assert_eq!(st["schema"], 1);
+    assert_eq!(st["daemon_running"], true);
+    let row = device_row(&st, "st-fs");
+    assert_eq!(row["owner"], "ours");
+    assert_eq!(row["link"], "up", "{row}");
+    assert_eq!(row["access"], "ext4 filesystem");
+    let mounted = row["mounted_at"].to_string();
+    assert!(
+        mounted.contains("globalmount") && mounted.contains("pods/pod-1"),
+        "{mounted}"
+    );
+    let foreign_row = st["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["backend"] == "someone-else:1")
+        .unwrap();
+    assert_eq!(foreign_row["owner"], "foreign");
+    assert!(foreign_row["problems"].as_array().unwrap().is_empty());
+
+    // Stuck states, with the daemon stopped: a lost staging mount, a device detached behind
+    // the journal's back, a lost record.
+    daemon.kill();
+    mounts::ops::unmount(&fs_vol.staging).unwrap();
+    let (code, st) = status_of(&daemon);
+    assert_eq!(code, 1);
+    assert_eq!(st["daemon_running"], false);
+    assert!(
+        device_row(&st, "st-fs")["problems"]
+            .to_string()
+            .contains("staging mount missing"),
+        "{st}"
+    );
+    disconnect_behind_the_back(&blk_vol, &daemon).await;
+    let (_, st) = status_of(&daemon);
+    let orphans = st["records_without_device"].as_array().unwrap();
+    assert_eq!(orphans.len(), 1, "{st}");
+    assert!(
+        orphans[0]["problems"]
+            .to_string()
+            .contains("the kernel has no device with its identifier"),
+        "{st}"
+    );
+    let fs_record = daemon
+        .journal_files()
+        .into_iter()
+        .find(|p| p.to_string_lossy().contains("st-fs"))
+        .unwrap();
+    std::fs::remove_file(fs_record).unwrap();
+    let (code, st) = status_of(&daemon);
+    assert_eq!(code, 1);
+    let row = st["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["owner"] == "ours")
+        .unwrap();
+    assert!(
+        row["problems"].to_string().contains("no journal record"),
+        "{row}"
+    );
+    // The daemon rebuilds what it can; the CO's calls clean up the rest.
+    let mut c = daemon.start(None).await;
+    fs_vol.unpublish(&mut c).await.unwrap();
+    fs_vol.unstage(&mut c).await.unwrap();
+    blk_vol.unpublish(&mut c).await.unwrap();
+    blk_vol.unstage(&mut c).await.unwrap();
+    nbd::attach::detach(
+        &nl,
+        &sysfs,
+        foreign.device.index(),
+        foreign.device.identifier(),
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap();
+    let (code, st) = status_of(&daemon);
+    assert_eq!(code, 0, "clean again: {st}");
+    assert_clean(&daemon);
+}
+
+/// `ustor-csi-node repair [--apply]` of `daemon`'s state: exit code and output.
+fn repair_of(daemon: &NodeDaemon, apply: bool) -> (i32, String) {
+    let mut cmd = std::process::Command::new(testkit::daemon::binary());
+    cmd.args(["repair", "--node-id", &daemon.node_id, "--state-dir"])
+        .arg(&daemon.state_dir)
+        .arg("--csi-endpoint")
+        .arg(format!("unix://{}", daemon.socket.display()));
+    if apply {
+        cmd.arg("--apply");
+    }
+    let out = cmd.output().unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn repair_cleans_what_status_flags_and_nothing_else() {
+    let mut daemon = NodeDaemon::new("repair", CONFIG).unwrap();
+    let mut c = daemon.start(None).await;
+    let unrecorded = Volume::new(&daemon, "rp-unrecorded", 32 * MIB, block());
+    let gone = Volume::new(&daemon, "rp-gone", 32 * MIB, block());
+    let in_use = Volume::new(&daemon, "rp-in-use", 32 * MIB, block());
+    for v in [&unrecorded, &gone, &in_use] {
+        v.up(&mut c).await;
+    }
+    daemon.kill();
+    // The seeds' stuck states: a device whose record is lost and that nobody uses any more; a
+    // record whose device went away under its pod's bind mount; a device of ours, record
+    // lost, still in use by a pod.
+    let remove_record = |daemon: &NodeDaemon, id: &str| {
+        let f = daemon
+            .journal_files()
+            .into_iter()
+            .find(|p| p.to_string_lossy().contains(id))
+            .unwrap();
+        std::fs::remove_file(f).unwrap();
+    };
+    remove_record(&daemon, "rp-unrecorded");
+    while mounts::ops::unmount(&unrecorded.target).unwrap() {}
+    disconnect_behind_the_back(&gone, &daemon).await;
+    remove_record(&daemon, "rp-in-use");
+    let (code, before) = status_of(&daemon);
+    assert_eq!(code, 1, "{before}");
+
+    // A dry run says what it would do, and does nothing.
+    let (code, plan) = repair_of(&daemon, false);
+    assert_eq!(code, 0, "{plan}");
+    assert!(plan.contains("would disconnect"), "{plan}");
+    assert!(plan.contains("would unmount"), "{plan}");
+    assert!(
+        plan.contains("would forget the journal record of rp-gone"),
+        "{plan}"
+    );
+    assert!(
+        plan.contains("would leave"),
+        "the device in use is left alone: {plan}"
+    );
+    assert_eq!(status_of(&daemon).1, before, "a dry run changes nothing");
+
+    // Not while the daemon runs.
+    let c2 = daemon.start(None).await;
+    let (code, refused) = repair_of(&daemon, true);
+    assert_ne!(code, 0, "{refused}");
+    assert!(refused.contains("stop it first"), "{refused}");
+    drop(c2);
+    daemon.kill();
+    // The daemon's start rebuilt the records of the devices it found; lose them again.
+    remove_record(&daemon, "rp-unrecorded");
+    remove_record(&daemon, "rp-in-use");
+
+    let (code, done) = repair_of(&daemon, true);
+    assert_eq!(code, 0, "{done}");
+    assert!(
+        unrecorded.device(&daemon).is_none(),
+        "unused device disconnected: {done}"
+    );
+    assert!(
+        in_use.device(&daemon).is_some(),
+        "the device in use stays: {done}"
+    );
+    assert!(!is_mounted(&gone.target), "stale bind mount gone: {done}");
+    let (_, after) = status_of(&daemon);
+    assert!(
+        after["records_without_device"]
+            .as_array()
+            .unwrap()
+            .is_empty(),
+        "{after}"
+    );
+    // What is left is the device in use, which kubelet unstages through the daemon.
+    let mut c = daemon.start(None).await;
+    in_use.down(&mut c).await;
+    let (code, clean) = status_of(&daemon);
+    assert_eq!(code, 0, "{clean}");
+    assert_clean(&daemon);
+}

@@ -1,0 +1,444 @@
+//! The node daemon while an export is down, against the real kernel: calls made during the
+//! outage are answered, an unstage waits for the heal and loses nothing, a link that died while
+//! the daemon was down is healed, an expansion whose server dies mid-call leaves nothing behind.
+//! Ignored on the host; run in the VM on every kernel line by `tests/vm/run`.
+
+#![allow(clippy::unwrap_used)] // a test fails by panicking
+
+use std::time::{Duration, Instant};
+
+use csi_proto::csi::ProbeRequest;
+use nbd::sysfs::Sysfs;
+use testkit::csi::*;
+use testkit::daemon::NodeDaemon;
+use testkit::{kernel_io_errors, pattern, DirectFile, Listen};
+use tonic::Code;
+
+mod common;
+use common::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn unstage_during_an_outage_waits_for_the_heal_and_loses_nothing() {
+    let mut daemon = NodeDaemon::new("outage", CONFIG).unwrap();
+    let mut c = daemon.start(None).await;
+    let mut vol = Volume::new(&daemon, "dirty", 64 * MIB, ext4());
+    let other = Volume::new(&daemon, "bystander", 32 * MIB, block());
+    vol.up(&mut c).await;
+    other.up(&mut c).await;
+    let errors_before = kernel_io_errors();
+
+    // Dirty pages only: nothing reaches the export before the unmount flushes them.
+    let data = pattern(91, 0, 4 * MIB as usize);
+    std::fs::write(vol.target.join("unsynced"), &data).unwrap();
+    vol.unpublish(&mut c).await.unwrap();
+    vol.server.kill();
+
+    let unstage = {
+        let (mut node, req) = (c.node.clone(), unstage_request(&vol.id, &vol.staging));
+        tokio::spawn(async move {
+            let started = Instant::now();
+            (node.node_unstage_volume(req).await, started.elapsed())
+        })
+    };
+    // While the unmount waits on the dead link, everything else is answered promptly.
+    let outage = Instant::now();
+    let mut slowest = Duration::ZERO;
+    while outage.elapsed() < Duration::from_secs(3) {
+        let started = Instant::now();
+        let probe = c
+            .identity
+            .probe(ProbeRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(probe.ready, Some(true));
+        c.node
+            .node_get_volume_stats(stats_request(&other.id, &other.target))
+            .await
+            .unwrap();
+        block_round_trip(&other, 0, 17);
+        slowest = slowest.max(started.elapsed());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(
+        slowest < Duration::from_secs(1),
+        "calls took up to {slowest:?} during the outage"
+    );
+    assert!(!unstage.is_finished(), "the unmount waits for the export");
+    vol.server.start().unwrap();
+    let (result, took) = tokio::time::timeout(Duration::from_secs(60), unstage)
+        .await
+        .expect("NodeUnstage finishes once the export is back")
+        .unwrap();
+    result.unwrap_or_else(|e| panic!("NodeUnstage during the outage: {e:?}"));
+    assert!(took >= Duration::from_secs(3), "{took:?}");
+    assert_eq!(
+        kernel_io_errors(),
+        errors_before,
+        "no I/O error reached the kernel log"
+    );
+
+    // Every byte written before the outage is on the export.
+    vol.up(&mut c).await;
+    assert!(std::fs::read(vol.target.join("unsynced")).unwrap() == data);
+    vol.down(&mut c).await;
+    other.down(&mut c).await;
+    assert_clean(&daemon);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn a_link_that_died_while_the_daemon_was_down_is_reported_and_healed() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let mut daemon = NodeDaemon::new("unheard", CONFIG).unwrap();
+    let mut c = daemon.start(None).await;
+    let mut vol = Volume::new_on(&daemon, "unheard", 64 * MIB, block(), Listen::Tcp);
+    vol.up(&mut c).await;
+    let done = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (target, done) = (vol.target.clone(), Arc::clone(&done));
+        std::thread::spawn(move || -> std::io::Result<u64> {
+            let f = DirectFile::open(&target, true)?;
+            let mut n = 0u64;
+            while !done.load(Ordering::SeqCst) {
+                f.write_at(&pattern(n, 0, 64 * 1024), (n % 256) * 64 * 1024)?;
+                n += 1;
+            }
+            f.sync()?;
+            Ok(n)
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The link dies while nobody listens for its LINK_DEAD.
+    daemon.kill();
+    vol.server.kill();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let started = Instant::now();
+    let mut c = daemon.start(None).await;
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "start-up does not wait for the dead link"
+    );
+    let condition = |c: &mut NodeClients| {
+        let mut node = c.node.clone();
+        let req = stats_request(&vol.id, &vol.target);
+        async move {
+            node.node_get_volume_stats(req)
+                .await
+                .unwrap()
+                .into_inner()
+                .volume_condition
+                .unwrap()
+        }
+    };
+    let waiting = Instant::now();
+    loop {
+        let cond = condition(&mut c).await;
+        if cond.abnormal {
+            assert!(cond.message.contains("lost"), "{}", cond.message);
+            break;
+        }
+        assert!(
+            waiting.elapsed() < Duration::from_secs(20),
+            "the dead link was never reported"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    vol.server.start().unwrap();
+    let healing = Instant::now();
+    while condition(&mut c).await.abnormal {
+        assert!(healing.elapsed() < Duration::from_secs(30), "never healed");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    done.store(true, Ordering::SeqCst);
+    let writes = tokio::task::spawn_blocking(move || writer.join().unwrap())
+        .await
+        .unwrap()
+        .expect("no I/O error across the unheard link loss");
+    assert!(writes > 0);
+    block_round_trip(&vol, 8 * MIB, 21);
+    vol.down(&mut c).await;
+    assert_clean(&daemon);
+}
+
+/// Probe and NodeGetVolumeStats are answered within a second, for `during`.
+async fn keeps_answering(c: &mut testkit::csi::NodeClients, vol: &Volume, during: Duration) {
+    let started = Instant::now();
+    while started.elapsed() < during {
+        promptly("Probe", c.identity.probe(ProbeRequest {}))
+            .await
+            .unwrap();
+        promptly(
+            "NodeGetVolumeStats",
+            c.node
+                .node_get_volume_stats(stats_request(&vol.id, &vol.target)),
+        )
+        .await
+        .unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn a_unix_socket_expansion_whose_server_dies_mid_call_answers_and_leaves_nothing_behind() {
+    let mut daemon = NodeDaemon::new("unixdown", CONFIG).unwrap();
+    // A window with the filesystem frozen, before the held connections are shut down and new
+    // ones offered: the server is killed in it.
+    let mut c = daemon.start(Some("expand-while-frozen=pause(3000)")).await;
+    let mut vol = Volume::new(&daemon, "unix-down", 64 * MIB, ext4()).with_connections(2);
+    vol.up(&mut c).await;
+    write_and_check_file(&vol.target, "before", 2 * MIB as usize, 40);
+    let index = vol.device(&daemon).unwrap();
+    let errors_before = kernel_io_errors();
+    let expand_to = {
+        let node = c.node.clone();
+        let (id, target, staging) = (vol.id.clone(), vol.target.clone(), vol.staging.clone());
+        move |bytes: u64| {
+            let mut node = node.clone();
+            let req = expand_request(&id, &target, &staging, bytes as i64);
+            tokio::spawn(async move { node.node_expand_volume(req).await })
+        }
+    };
+
+    // 1. The server comes back while the call still offers connections: the call completes.
+    vol.resize_backing(96 * MIB);
+    let expand = expand_to(96 * MIB);
+    daemon.wait_paused("expand-while-frozen").await;
+    vol.server.kill();
+    keeps_answering(&mut c, &vol, Duration::from_secs(5)).await;
+    assert!(!expand.is_finished(), "the expansion waits for the export");
+    vol.server.start().unwrap();
+    let grown = tokio::time::timeout(Duration::from_secs(60), expand)
+        .await
+        .expect("NodeExpandVolume finishes once the server is back")
+        .unwrap()
+        .unwrap_or_else(|e| panic!("NodeExpandVolume across the outage: {e:?}"))
+        .into_inner();
+    assert_eq!(grown.capacity_bytes, (96 * MIB) as i64);
+    assert_eq!(Sysfs::default().size_bytes(index).unwrap(), 96 * MIB);
+    assert!(fs_bytes(&vol.target) > 80 * MIB, "the filesystem grew");
+    write_and_check_file(&vol.target, "grown", 20 * MIB as usize, 41);
+
+    // 2. The server stays away: the call gives up once it has offered connections for
+    // REPLACE_WITHIN (30 s), and the daemon answers all along. The thaw that follows writes
+    // ext4's superblock, which waits for the export like any write: the server returns after
+    // the give-up, and the call then ends UNAVAILABLE with the device at its old size.
+    wait_condition(&mut c, &vol, false).await;
+    vol.resize_backing(128 * MIB);
+    let expand = expand_to(128 * MIB);
+    daemon.wait_paused("expand-while-frozen").await;
+    vol.server.kill();
+    let killed = Instant::now();
+    keeps_answering(&mut c, &vol, Duration::from_secs(35)).await;
+    vol.server.start().unwrap();
+    let refused = tokio::time::timeout(Duration::from_secs(30), expand)
+        .await
+        .expect("NodeExpandVolume gives up")
+        .unwrap()
+        .unwrap_err();
+    let took = killed.elapsed();
+    assert_eq!(refused.code(), Code::Unavailable, "{}", refused.message());
+    assert!(
+        refused.message().contains("size is unchanged"),
+        "{}",
+        refused.message()
+    );
+    assert!(
+        took < Duration::from_secs(50),
+        "answered {took:?} after the server died"
+    );
+    assert_eq!(
+        Sysfs::default().size_bytes(index).unwrap(),
+        96 * MIB,
+        "the device never claims space no connection serves"
+    );
+
+    // The link heals, the filesystem is thawed and writable, and the next NodeExpand (kubelet
+    // retries) finishes the growth.
+    wait_condition(&mut c, &vol, false).await;
+    write_and_check_file(&vol.target, "healed", 2 * MIB as usize, 42);
+    vol.expand(&mut c, 128 * MIB)
+        .await
+        .unwrap_or_else(|e| panic!("NodeExpandVolume retried after the outage: {e:?}"));
+    assert_eq!(Sysfs::default().size_bytes(index).unwrap(), 128 * MIB);
+    assert!(fs_bytes(&vol.target) > 110 * MIB, "the filesystem grew");
+    assert_eq!(
+        kernel_io_errors(),
+        errors_before,
+        "no I/O error in the kernel log"
+    );
+
+    // Everything written is intact, and teardown leaves nothing attached or mounted.
+    for (name, seed, len) in [
+        ("before", 40, 2 * MIB),
+        ("grown", 41, 20 * MIB),
+        ("healed", 42, 2 * MIB),
+    ] {
+        assert!(
+            std::fs::read(vol.target.join(name)).unwrap() == pattern(seed, 0, len as usize),
+            "{name} is intact"
+        );
+    }
+    vol.down(&mut c).await;
+    let (code, status) = status_of(&daemon);
+    assert_eq!(code, 0, "status is clean after teardown: {status}");
+    assert_clean(&daemon);
+}
+
+/// Runs `call`, fails the test when it took a second or more, and returns its result.
+async fn promptly<T>(what: &str, call: impl std::future::Future<Output = T>) -> T {
+    let started = Instant::now();
+    let out = call.await;
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(1),
+        "{what} took {took:?} during the outage"
+    );
+    out
+}
+
+/// Waits until NodeGetVolumeStats reports the volume's condition as `abnormal`.
+async fn wait_condition(c: &mut testkit::csi::NodeClients, vol: &Volume, abnormal: bool) -> String {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let stats = c
+            .node
+            .node_get_volume_stats(stats_request(&vol.id, &vol.target))
+            .await
+            .unwrap()
+            .into_inner();
+        let condition = stats.volume_condition.unwrap();
+        if condition.abnormal == abnormal {
+            return condition.message;
+        }
+        assert!(Instant::now() < deadline, "condition stays {condition:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn calls_made_while_the_export_is_down_answer_and_an_expansion_outlives_it() {
+    let mut daemon = NodeDaemon::new("downcalls", CONFIG).unwrap();
+    // A window between the resize and the filesystem's growth, to take the export away in.
+    let mut c = daemon.start(Some("expand-after-resize=pause(2000)")).await;
+    let mut vol = Volume::new_on(&daemon, "downcalls", 64 * MIB, ext4(), Listen::Tcp);
+    vol.up(&mut c).await;
+    write_and_check_file(&vol.target, "before", 2 * MIB as usize, 5);
+    let index = vol.device(&daemon).unwrap();
+    let errors_before = kernel_io_errors();
+
+    // The export goes away; the kernel reports the dead link and the daemon says so.
+    vol.server.kill();
+    let message = wait_condition(&mut c, &vol, true).await;
+    assert!(message.contains("reconnecting"), "{message}");
+
+    // Every call is answered within a second, and none needs the export.
+    let stats = promptly(
+        "NodeGetVolumeStats",
+        c.node
+            .node_get_volume_stats(stats_request(&vol.id, &vol.target)),
+    )
+    .await
+    .unwrap()
+    .into_inner();
+    assert!(
+        stats.usage[0].total > 0,
+        "usage is reported during an outage: {stats:?}"
+    );
+    let second = daemon
+        .scratch()
+        .join("pods/pod-2/volumes/kubernetes.io~csi/downcalls/mount");
+    std::fs::create_dir_all(second.parent().unwrap()).unwrap();
+    let publish = publish_request(
+        &vol.id,
+        &vol.staging,
+        &second,
+        vol.cap.clone(),
+        &vol.uri(),
+        false,
+    );
+    promptly("NodePublishVolume", c.node.node_publish_volume(publish))
+        .await
+        .unwrap();
+    assert!(is_mounted(&second));
+    promptly(
+        "NodeUnpublishVolume",
+        c.node
+            .node_unpublish_volume(unpublish_request(&vol.id, &second)),
+    )
+    .await
+    .unwrap();
+    assert!(!is_mounted(&second));
+    vol.resize_backing(96 * MIB);
+    let refused = promptly(
+        "NodeExpandVolume",
+        c.node.node_expand_volume(expand_request(
+            &vol.id,
+            &vol.target,
+            &vol.staging,
+            (96 * MIB) as i64,
+        )),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(refused.code(), Code::Unavailable, "{}", refused.message());
+    assert_eq!(Sysfs::default().size_bytes(index).unwrap(), 64 * MIB);
+    promptly("Probe", c.identity.probe(ProbeRequest {}))
+        .await
+        .unwrap();
+
+    vol.server.start().unwrap();
+    wait_condition(&mut c, &vol, false).await;
+
+    // Now the export dies between the resize and the filesystem's growth: the growth waits
+    // for the heal and completes; the daemon answers meanwhile.
+    let expand = {
+        let mut node = c.node.clone();
+        let req = expand_request(&vol.id, &vol.target, &vol.staging, (96 * MIB) as i64);
+        tokio::spawn(async move { node.node_expand_volume(req).await })
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Sysfs::default().size_bytes(index).unwrap() != 96 * MIB {
+        assert!(Instant::now() < deadline, "the device never grew");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    vol.server.kill();
+    keeps_answering(&mut c, &vol, Duration::from_secs(3)).await;
+    assert!(!expand.is_finished(), "the growth waits for the export");
+    vol.server.start().unwrap();
+    let grown = tokio::time::timeout(Duration::from_secs(60), expand)
+        .await
+        .expect("NodeExpandVolume finishes once the export is back")
+        .unwrap()
+        .unwrap_or_else(|e| panic!("NodeExpandVolume across an outage: {e:?}"))
+        .into_inner();
+    assert_eq!(grown.capacity_bytes, (96 * MIB) as i64);
+    let usage = mounts::usage::usage(&vol.target).unwrap();
+    assert!(
+        usage.bytes_total > 80 * MIB,
+        "the filesystem grew: {usage:?}"
+    );
+    assert_eq!(
+        kernel_io_errors(),
+        errors_before,
+        "no I/O error in the kernel log"
+    );
+
+    // What was written before either outage is intact, and the volume works.
+    vol.unpublish(&mut c).await.unwrap();
+    vol.unstage(&mut c).await.unwrap();
+    vol.up(&mut c).await;
+    let before = std::fs::read(vol.target.join("before")).unwrap();
+    assert!(
+        before == pattern(5, 0, 2 * MIB as usize),
+        "data from before the outages"
+    );
+    write_and_check_file(&vol.target, "after", 2 * MIB as usize, 6);
+    vol.down(&mut c).await;
+    assert_clean(&daemon);
+}
