@@ -7,7 +7,61 @@
 
 use std::fmt;
 
-use crate::error::ControllerError;
+/// Why an id, a name or a name segment is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IdError {
+    #[error("{field} is required")]
+    Missing { field: &'static str },
+    /// Not of the `<backend>:<kind>:<image>` shape: another driver's, or made up.
+    #[error("{field} {raw:?} is not an id this driver issued")]
+    NotIssued { field: &'static str, raw: String },
+    #[error("{field} {raw:?} names a {found}, not a {}", wanted.as_str())]
+    OtherKind {
+        field: &'static str,
+        raw: String,
+        found: String,
+        wanted: Kind,
+    },
+    #[error("{field} {raw:?} belongs to backend {found:?}; this controller serves {serves:?}")]
+    OtherBackend {
+        field: &'static str,
+        raw: String,
+        found: String,
+        serves: String,
+    },
+    #[error("{field} {raw:?}: image name {image:?} is not one this driver issued")]
+    ForeignImage {
+        field: &'static str,
+        raw: String,
+        image: String,
+    },
+    #[error("name {name:?} is too long or has control characters")]
+    BadName { name: String },
+    #[error("image name {image:?} is not valid")]
+    BadImage { image: String },
+    /// A pool or connection name that an image key cannot carry.
+    #[error("{what} {value:?} must be 1-{max} characters of a-z, 0-9, - and .{why}")]
+    BadSegment {
+        what: &'static str,
+        value: String,
+        max: usize,
+        why: &'static str,
+    },
+}
+
+impl IdError {
+    /// An id this driver did not issue (another driver's, malformed, of another backend):
+    /// for the CSI spec the object it names does not exist.
+    pub fn is_unknown_id(&self) -> bool {
+        matches!(
+            self,
+            IdError::NotIssued { .. }
+                | IdError::OtherKind { .. }
+                | IdError::OtherBackend { .. }
+                | IdError::ForeignImage { .. }
+        )
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Kind {
@@ -42,39 +96,47 @@ impl Handle {
     }
 
     /// Parses an id the CO sends back, expecting `kind` from `backend`.
-    pub fn parse(raw: &str, backend: &str, kind: Kind) -> Result<Self, ControllerError> {
+    pub fn parse(raw: &str, backend: &str, kind: Kind) -> Result<Self, IdError> {
         let field = match kind {
             Kind::Volume => "volume_id",
             Kind::Snapshot => "snapshot_id",
         };
         if raw.is_empty() {
-            return Err(ControllerError::invalid(format!("{field} is required")));
+            return Err(IdError::Missing { field });
         }
         let mut parts = raw.splitn(3, ':');
         let (b, k, image) = (parts.next(), parts.next(), parts.next());
         let (Some(b), Some(k), Some(image)) = (b, k, image) else {
-            return Err(ControllerError::UnknownId(format!(
-                "{field} {raw:?} is not an id this driver issued"
-            )));
+            return Err(IdError::NotIssued {
+                field,
+                raw: raw.to_owned(),
+            });
         };
         if k != kind.as_str() {
-            return Err(ControllerError::UnknownId(format!(
-                "{field} {raw:?} names a {k}, not a {}",
-                kind.as_str()
-            )));
+            return Err(IdError::OtherKind {
+                field,
+                raw: raw.to_owned(),
+                found: k.to_owned(),
+                wanted: kind,
+            });
         }
         if b != backend {
-            return Err(ControllerError::UnknownId(format!(
-                "{field} {raw:?} belongs to backend {b:?}; this controller serves {backend:?}"
-            )));
+            return Err(IdError::OtherBackend {
+                field,
+                raw: raw.to_owned(),
+                found: b.to_owned(),
+                serves: backend.to_owned(),
+            });
         }
         // A backend with pools keys images as `[<connection>/]<pool>/<image>`.
         let mut segments = image.split('/');
         let valid = segments.clone().count() <= 3 && segments.all(|s| valid_image(s).is_ok());
         if !valid || raw.len() > MAX_ID {
-            return Err(ControllerError::UnknownId(format!(
-                "{field} {raw:?}: image name {image:?} is not one this driver issued"
-            )));
+            return Err(IdError::ForeignImage {
+                field,
+                raw: raw.to_owned(),
+                image: image.to_owned(),
+            });
         }
         Ok(Self::new(backend, kind, image.to_owned()))
     }
@@ -96,7 +158,7 @@ pub const MAX_CONNECTION: usize = 16;
 pub const MAX_IMAGE: usize = MAX_ID - "ustor:snapshot:".len() - MAX_CONNECTION - 1 - MAX_POOL - 1;
 
 /// Checks the name of the MindUstorStorageConnection a volume id will carry.
-pub fn valid_connection(name: &str) -> Result<(), ControllerError> {
+pub fn valid_connection(name: &str) -> Result<(), IdError> {
     valid_segment(
         "connection name",
         name,
@@ -107,22 +169,30 @@ pub fn valid_connection(name: &str) -> Result<(), ControllerError> {
 
 /// Checks a pool name from a StorageClass: what an image name may be, and short enough that
 /// ids stay within the spec's 128 bytes.
-pub fn valid_pool(pool: &str) -> Result<(), ControllerError> {
+pub fn valid_pool(pool: &str) -> Result<(), IdError> {
     valid_segment("pool", pool, MAX_POOL, "")
 }
 
 /// A segment of an image key: what an image name may be, at most `max` bytes.
-fn valid_segment(what: &str, value: &str, max: usize, why: &str) -> Result<(), ControllerError> {
+fn valid_segment(
+    what: &'static str,
+    value: &str,
+    max: usize,
+    why: &'static str,
+) -> Result<(), IdError> {
     if value.len() <= max && valid_image(value).is_ok() {
         Ok(())
     } else {
-        Err(ControllerError::invalid(format!(
-            "{what} {value:?} must be 1-{max} characters of a-z, 0-9, - and .{why}"
-        )))
+        Err(IdError::BadSegment {
+            what,
+            value: value.to_owned(),
+            max,
+            why,
+        })
     }
 }
 
-fn valid_image(image: &str) -> Result<(), String> {
+fn valid_image(image: &str) -> Result<(), IdError> {
     let ok = !image.is_empty()
         && image.len() <= 128
         && image
@@ -132,7 +202,9 @@ fn valid_image(image: &str) -> Result<(), String> {
     if ok {
         Ok(())
     } else {
-        Err(format!("image name {image:?} is not valid"))
+        Err(IdError::BadImage {
+            image: image.to_owned(),
+        })
     }
 }
 
@@ -156,14 +228,14 @@ pub fn valid_cluster_id(id: &str) -> Result<(), String> {
 /// [`MAX_IMAGE`] bytes. A name with characters an image name cannot hold, or too long to fit,
 /// is cut and gets a digest of the whole name appended, so two different names never share
 /// an image.
-pub fn image_for(cluster: &str, name: &str) -> Result<String, ControllerError> {
+pub fn image_for(cluster: &str, name: &str) -> Result<String, IdError> {
     if name.is_empty() {
-        return Err(ControllerError::invalid("name is required"));
+        return Err(IdError::Missing { field: "name" });
     }
     if name.len() > 128 || name.chars().any(char::is_control) {
-        return Err(ControllerError::invalid(format!(
-            "name {name:?} is too long or has control characters"
-        )));
+        return Err(IdError::BadName {
+            name: name.to_owned(),
+        });
     }
     let clean: String = name
         .chars()
@@ -180,7 +252,7 @@ pub fn image_for(cluster: &str, name: &str) -> Result<String, ControllerError> {
         let keep = image[..image.len().min(MAX_IMAGE - 17)].trim_end_matches(['-', '.']);
         image = format!("{keep}-{:016x}", fnv1a(name));
     }
-    valid_image(&image).map_err(ControllerError::invalid)?;
+    valid_image(&image)?;
     Ok(image)
 }
 
@@ -209,10 +281,10 @@ mod tests {
                 .image,
             "data/k8s-pvc-1"
         );
-        assert!(matches!(
+        assert_eq!(
             Handle::parse("", "local", Kind::Volume),
-            Err(ControllerError::InvalidArgument(_))
-        ));
+            Err(IdError::Missing { field: "volume_id" })
+        );
         for (bad, why) in [
             ("k8s-pvc-1", "not an id this driver issued"),
             ("local:snapshot:k8s-s", "names a snapshot"),
@@ -223,11 +295,7 @@ mod tests {
         ] {
             let err = Handle::parse(bad, "local", Kind::Volume).unwrap_err();
             assert!(err.to_string().contains(why), "{bad}: {err}");
-            assert_eq!(
-                err.code(),
-                tonic::Code::NotFound,
-                "{bad}: not an id of ours"
-            );
+            assert!(err.is_unknown_id(), "{bad}: not an id of ours");
         }
     }
 

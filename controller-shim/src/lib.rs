@@ -1,7 +1,12 @@
 //! `ustor-csi-controller`: CSI Identity and Controller for the provisioning sidecars.
 //!
-//! - [`service`]: the gRPC surface; every call validated there, errors mapped in [`error`].
-//! - [`backend`]: where images live (the embedded local directory; uStor to come).
+//! - [`server`]: starts it all (backend, Kubernetes glue, metrics, the gRPC services).
+//! - [`service`]: the gRPC surface, wire only; [`service::status`] is the one table from an
+//!   error to its gRPC code.
+//! - [`request`]: request validation (required fields, sizes, parameters, capabilities).
+//! - [`provision`]: the domain: volumes, publications, snapshots.
+//! - [`error`]: every failure by where it happened.
+//! - [`backend`]: where images live (a local directory, one uStor cluster, every connection).
 //! - [`ids`]: the opaque, validated volume and snapshot ids.
 //! - [`exports`]: the local backend's supervised NBD server.
 //! - [`kube`]: the Kubernetes glue (custom resources, StorageClasses, the node list).
@@ -12,5 +17,7 @@ pub mod exports;
 pub mod ids;
 pub mod kube;
 pub mod metrics;
+pub mod provision;
+pub mod request;
 pub mod server;
 pub mod service;

@@ -1,26 +1,16 @@
 //! `ustor-csi-controller serve`: the CSI controller for external-provisioner, -attacher,
-//! -resizer and -snapshotter.
+//! -resizer and -snapshotter. The command line only: flags become [`Settings`], and
+//! [`server::run`] starts it all.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use controller_shim::backend::connections::ConnectionsBackend;
-use controller_shim::backend::local::LocalBackend;
-use controller_shim::backend::ustor::api::{check_url, UrlRefusal, UstorApi};
-use controller_shim::backend::ustor::backend::UstorBackend;
-use controller_shim::backend::ustor::credentials::CredentialsDir;
-use controller_shim::backend::ustor::login::Timing;
-use controller_shim::backend::Backend;
-use controller_shim::exports::ExportServer;
+use controller_shim::backend::ustor::api::{check_url, UrlRefusal};
 use controller_shim::ids::valid_cluster_id;
 use controller_shim::kube::webhook::WebhookSettings;
-use controller_shim::kube::{Glue, Settings};
-use controller_shim::metrics::{ControllerMetrics, LoginStates};
-use controller_shim::service::Nodes;
+use controller_shim::server::{self, leader_identity, BackendSettings, Settings};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -145,7 +135,8 @@ fn main() -> Result<()> {
     }
 }
 
-fn serve(args: ServeArgs) -> Result<()> {
+/// The flags as the server's settings.
+fn settings(args: ServeArgs) -> Result<Settings> {
     let ServeArgs {
         csi_endpoint,
         backend,
@@ -168,20 +159,6 @@ fn serve(args: ServeArgs) -> Result<()> {
         webhook_migration_users,
         webhook_controller_user,
     } = args;
-    let webhook = webhook_address.map(|listen| WebhookSettings {
-        listen,
-        cert_secret: webhook_cert_secret,
-        migration_users: webhook_migration_users,
-        controller_user: webhook_controller_user
-            .unwrap_or_else(|| format!("system:serviceaccount:{namespace}:csi-controller")),
-    });
-    let election = leader_election.then(|| {
-        std::env::var("POD_NAME").unwrap_or_else(|_| {
-            nix::unistd::gethostname()
-                .map(|h| h.to_string_lossy().into_owned())
-                .unwrap_or_else(|_| format!("pid-{}", std::process::id()))
-        })
-    });
     valid_cluster_id(&cluster_id).map_err(anyhow::Error::msg)?;
     let socket = PathBuf::from(
         csi_endpoint
@@ -192,127 +169,56 @@ fn serve(args: ServeArgs) -> Result<()> {
         socket.is_absolute(),
         "--csi-endpoint must be unix:///absolute/path"
     );
+    let backend = match (backend, ustor_url) {
+        (BackendKind::Local, _) => BackendSettings::Local {
+            dir: local_dir,
+            listen: local_listen,
+            export_address: local_export_address,
+            export_server: !no_export_server,
+        },
+        (BackendKind::Ustor, None) => BackendSettings::Connections { pool: ustor_pool },
+        (BackendKind::Ustor, Some(url)) => {
+            check_ustor_url(&url, ustor_allow_insecure_http)?;
+            BackendSettings::Ustor {
+                url,
+                credentials: ustor_credentials,
+                ca: ustor_ca,
+                pool: ustor_pool,
+            }
+        }
+    };
+    let glue = kubernetes.then(|| {
+        let webhook = webhook_address.map(|listen| WebhookSettings {
+            listen,
+            cert_secret: webhook_cert_secret,
+            migration_users: webhook_migration_users,
+            controller_user: webhook_controller_user
+                .unwrap_or_else(|| format!("system:serviceaccount:{namespace}:csi-controller")),
+        });
+        controller_shim::kube::Settings {
+            namespace,
+            allow_insecure_http: ustor_allow_insecure_http,
+            election: leader_election.then(leader_identity),
+            webhook,
+            ..controller_shim::kube::Settings::default()
+        }
+    });
+    Ok(Settings {
+        socket,
+        backend,
+        cluster_id,
+        metrics_address,
+        kubernetes: glue,
+    })
+}
+
+fn serve(args: ServeArgs) -> Result<()> {
+    let settings = settings(args)?;
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?
-        .block_on(async move {
-            // SIGTERM is how Kubernetes stops the container; SIGINT for a terminal.
-            let mut term =
-                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-            let stop = async move {
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = term.recv() => {}
-                }
-                tracing::info!("stopping");
-            };
-            let mut figures = ControllerMetrics::default();
-            let glue = if kubernetes {
-                let client = kube::Client::try_default()
-                    .await
-                    .map_err(|e| anyhow::anyhow!("--kubernetes: no Kubernetes client: {e}"))?;
-                Some(Glue::start(
-                    client,
-                    Settings {
-                        namespace,
-                        allow_insecure_http: ustor_allow_insecure_http,
-                        election,
-                        webhook,
-                        backend_metrics: Some(Arc::clone(&figures.backend)),
-                        ..Settings::default()
-                    },
-                ))
-            } else {
-                None
-            };
-            let mut background = Vec::new();
-            let backend: Arc<dyn Backend> = match backend {
-                BackendKind::Local => {
-                    let export_address =
-                        local_export_address.unwrap_or_else(|| local_listen.to_string());
-                    let local = LocalBackend::open(&local_dir, &export_address)?;
-                    if !no_export_server {
-                        background.push(tokio::spawn(
-                            ExportServer {
-                                images: local.images_dir(),
-                                listen: local_listen,
-                            }
-                            .supervise(),
-                        ));
-                    }
-                    Arc::new(local)
-                }
-                // In Kubernetes without a fixed URL: the volumes of every connection.
-                BackendKind::Ustor if ustor_url.is_none() => {
-                    let glue = glue.as_ref().ok_or_else(|| {
-                        anyhow::anyhow!(
-                            "--backend ustor needs --kubernetes (the MindUstorStorageConnections) or --ustor-url"
-                        )
-                    })?;
-                    Arc::new(ConnectionsBackend::new(
-                        Arc::new(glue.connections.clone()),
-                        &ustor_pool,
-                    ))
-                }
-                BackendKind::Ustor => {
-                    let url = ustor_url.unwrap_or_default();
-                    check_ustor_url(&url, ustor_allow_insecure_http)?;
-                    let ca = ustor_ca.map(std::fs::read).transpose()?;
-                    let api = Arc::new(
-                        UstorApi::new(
-                            &url,
-                            ca.as_deref(),
-                            Arc::new(CredentialsDir::new(&ustor_credentials)),
-                            Timing::default(),
-                            Arc::new(Instant::now),
-                        )?
-                        .with_metrics(Arc::clone(&figures.backend), "default"),
-                    );
-                    let watched = Arc::clone(&api);
-                    figures = figures.with_collector(LoginStates(Box::new(move || {
-                        vec![("default".to_owned(), watched.login_state().as_str())]
-                    })));
-                    // The hourly login (uStor locks users idle for 45 days), and the retry of a
-                    // refused one once its pause is over, even when no volume is created.
-                    let keepalive = Arc::clone(&api);
-                    background.push(tokio::spawn(async move {
-                        loop {
-                            if let Err(e) = keepalive.keepalive().await {
-                                tracing::warn!(error = %e, "uStor login check");
-                            }
-                            tokio::time::sleep(Duration::from_secs(60)).await;
-                        }
-                    }));
-                    Arc::new(UstorBackend::new(api, &ustor_pool))
-                }
-            };
-            let metrics = match metrics_address {
-                Some(addr) => Some(
-                    tokio::net::TcpListener::bind(addr)
-                        .await
-                        .map_err(|e| anyhow::anyhow!("--metrics-address {addr}: {e}"))?,
-                ),
-                None => None,
-            };
-            let nodes = glue
-                .as_ref()
-                .map(|g| Arc::new(g.nodes.clone()) as Arc<dyn Nodes>);
-            if let Some(glue) = &glue {
-                let directory = glue.connections.clone();
-                figures = figures
-                    .with_collector(glue.phases.clone())
-                    .with_collector(LoginStates(Box::new(move || directory.login_states())));
-            }
-            let result = controller_shim::server::serve(
-                &socket, backend, cluster_id, metrics, figures, nodes, stop,
-            )
-            .await;
-            drop(glue);
-            for task in background {
-                task.abort();
-            }
-            result
-        })
+        .block_on(server::run(settings))?;
+    Ok(())
 }
 
 /// `--ustor-url` by the rule of [`check_url`], with the flag's own words.

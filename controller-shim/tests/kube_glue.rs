@@ -387,7 +387,7 @@ async fn reconcilers_come_back_after_the_api_server_does() {
     // The node list came back too: a node registered after the outage is known.
     register_node(&cluster, "node-b");
     eventually("node-b known", Duration::from_secs(60), || async {
-        use controller_shim::service::Nodes;
+        use controller_shim::provision::Nodes;
         (glue.nodes.has_node("node-b") == Some(true)).then_some(())
     })
     .await;
@@ -404,7 +404,7 @@ async fn serve_csi(
     tokio::task::JoinHandle<()>,
 ) {
     let socket = dir.join("csi.sock");
-    let nodes: Arc<dyn controller_shim::service::Nodes> = Arc::new(glue.nodes.clone());
+    let nodes: Arc<dyn controller_shim::provision::Nodes> = Arc::new(glue.nodes.clone());
     let server = {
         let socket = socket.clone();
         tokio::spawn(async move {
@@ -597,7 +597,7 @@ async fn every_manifest_applies_and_the_controller_needs_no_more_than_its_roles(
     create_class(&classes, "granted", "main").await;
     wait_phase(&classes, "granted", Phase::Created).await;
     eventually("node-a known", Duration::from_secs(30), || async {
-        use controller_shim::service::Nodes;
+        use controller_shim::provision::Nodes;
         (glue.nodes.has_node("node-a") == Some(true)).then_some(())
     })
     .await;

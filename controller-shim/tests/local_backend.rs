@@ -688,6 +688,52 @@ async fn bad_input_gets_the_spec_code() {
         .unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
 
+    // Required fields are checked before the volume is looked up (csi-sanity): a missing
+    // one is INVALID_ARGUMENT even when the id names nothing.
+    let err = c
+        .client
+        .controller_publish_volume(ControllerPublishVolumeRequest {
+            volume_id: "some-vol-id".into(),
+            node_id: String::new(),
+            volume_capability: Some(ext4()),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{}", err.message());
+    assert!(err.message().contains("node_id"), "{}", err.message());
+    let err = c
+        .client
+        .controller_publish_volume(ControllerPublishVolumeRequest {
+            volume_id: "local:volume:test-nope".into(),
+            node_id: "node-a".into(),
+            volume_capability: None,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{}", err.message());
+    assert!(
+        err.message().contains("volume_capability"),
+        "{}",
+        err.message()
+    );
+    let err = c
+        .client
+        .create_snapshot(CreateSnapshotRequest {
+            source_volume_id: "some-vol-id".into(),
+            name: String::new(),
+            parameters: HashMap::new(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{}", err.message());
+    assert!(
+        err.message().contains("name is required"),
+        "{}",
+        err.message()
+    );
+
     let cap = c
         .client
         .get_capacity(GetCapacityRequest::default())

@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 
 use controller_shim::backend::ustor::api::UstorApi;
 use controller_shim::backend::ustor::credentials::CredentialsDir;
+use controller_shim::backend::ustor::error::UstorError;
 use controller_shim::backend::ustor::login::Timing;
+use controller_shim::service::status::ustor_code;
 use reqwest::Method;
 use serde_json::{json, Value};
 use testkit::fake_ustor::FakeUstor;
@@ -62,7 +64,8 @@ async fn every_refusal_is_named() {
         secret(dir.path(), "csi", &format!("pw-{reason}"));
         let api = client(&server.url(), dir.path(), &TestClock::new());
         let err = api.login().await.unwrap_err();
-        assert_eq!(err.code(), Code::Unauthenticated);
+        assert!(matches!(err, UstorError::LoginRefused { .. }), "{err}");
+        assert_eq!(ustor_code(&err), Code::Unauthenticated);
         assert!(err.to_string().contains(reason), "{err}");
         assert!(!err.to_string().contains("invalid credentials"));
         assert!(
@@ -86,7 +89,7 @@ async fn every_refusal_is_named() {
         .login()
         .await
         .unwrap_err();
-    assert_eq!(err.code(), Code::Unavailable);
+    assert_eq!(ustor_code(&err), Code::Unavailable);
     assert!(err.to_string().contains("Unreachable"), "{err}");
 }
 
@@ -160,12 +163,14 @@ async fn api_errors_map_to_csi_codes_and_tokens_are_renewed() {
         .call::<Value, _>(Method::POST, "/api/v1/pools/data/images", Some(&body))
         .await
         .unwrap_err();
-    assert_eq!(err.code(), Code::AlreadyExists);
+    assert!(matches!(err, UstorError::AlreadyExists(_)), "{err}");
+    assert_eq!(ustor_code(&err), Code::AlreadyExists);
     let err = api
         .call::<Value, Value>(Method::GET, "/api/v1/pools/data/images/k8s-missing", None)
         .await
         .unwrap_err();
-    assert_eq!(err.code(), Code::NotFound);
+    assert!(matches!(err, UstorError::NotFound(_)), "{err}");
+    assert_eq!(ustor_code(&err), Code::NotFound);
     let err = api
         .call::<Value, _>(
             Method::PATCH,
@@ -174,7 +179,8 @@ async fn api_errors_map_to_csi_codes_and_tokens_are_renewed() {
         )
         .await
         .unwrap_err();
-    assert_eq!(err.code(), Code::InvalidArgument, "images only grow");
+    assert!(matches!(err, UstorError::InvalidArgument(_)), "{err}");
+    assert_eq!(ustor_code(&err), Code::InvalidArgument, "images only grow");
 
     server.expire_tokens();
     let image: Value = api
@@ -217,7 +223,7 @@ async fn requests_are_counted_by_outcome_and_the_login_state_is_exported() {
         .call::<Value, Value>(Method::GET, "/api/v1/pools/data/images/none", None)
         .await
         .unwrap_err();
-    assert_eq!(missing.code(), Code::NotFound);
+    assert_eq!(ustor_code(&missing), Code::NotFound);
     assert_eq!(api.login_state(), LoginState::LoggedIn);
     let watched = Arc::clone(&api);
     let text = figures

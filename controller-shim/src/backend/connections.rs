@@ -10,17 +10,34 @@ use std::sync::Arc;
 
 use super::ustor::api::UstorApi;
 use super::ustor::backend::UstorBackend;
-use super::{Backend, SnapshotMeta, VolumeMeta};
-use crate::error::ControllerError;
+use super::{Backend, BackendError, SnapshotMeta, VolumeMeta};
 use crate::ids::valid_connection;
+
+/// Why a call found no uStor connection to go to.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConnectionError {
+    #[error("no MindUstorStorageConnection exists: create one (see the README's quick start)")]
+    NoneExists,
+    /// It exists but has no working session yet (being checked, or refused).
+    #[error("MindUstorStorageConnection {connection} is not usable yet: {reason}")]
+    NotUsable { connection: String, reason: String },
+    #[error("MindUstorStorageConnection {connection} does not exist")]
+    Unknown { connection: String },
+    #[error(
+        "the source {source_key} is on another uStor connection than {key}: \
+         a clone or restore stays on its source's connection"
+    )]
+    SourceElsewhere { source_key: String, key: String },
+}
 
 /// The StorageClass parameter naming the connection.
 pub const CONNECTION_PARAMETER: &str = "connection";
 
 /// Where the connections' sessions are (in Kubernetes: the connection reconciler's).
 pub trait ConnectionDirectory: Send + Sync + fmt::Debug {
-    /// The management API of `connection`; UNAVAILABLE (saying why) while it is not usable.
-    fn api(&self, connection: &str) -> Result<Arc<UstorApi>, ControllerError>;
+    /// The management API of `connection`; [`ConnectionError::NotUsable`] (saying why) while
+    /// it is not usable.
+    fn api(&self, connection: &str) -> Result<Arc<UstorApi>, ConnectionError>;
     /// The oldest connection, for keys and StorageClasses that name none.
     fn oldest(&self) -> Option<String>;
 }
@@ -49,17 +66,12 @@ impl ConnectionsBackend {
         }
     }
 
-    fn oldest(&self) -> Result<String, ControllerError> {
-        self.directory.oldest().ok_or_else(|| {
-            ControllerError::FailedPrecondition(
-                "no MindUstorStorageConnection exists: create one (see the README's quick start)"
-                    .into(),
-            )
-        })
+    fn oldest(&self) -> Result<String, ConnectionError> {
+        self.directory.oldest().ok_or(ConnectionError::NoneExists)
     }
 
     /// The backend serving `connection` (the oldest when none is named).
-    fn serving(&self, connection: Option<&str>) -> Result<(String, UstorBackend), ControllerError> {
+    fn serving(&self, connection: Option<&str>) -> Result<(String, UstorBackend), ConnectionError> {
         let name = match connection {
             Some(c) => c.to_owned(),
             None => self.oldest()?,
@@ -69,7 +81,7 @@ impl ConnectionsBackend {
     }
 
     /// The backend of an image key and the key as that backend knows it.
-    fn route<'k>(&self, key: &'k str) -> Result<(UstorBackend, &'k str), ControllerError> {
+    fn route<'k>(&self, key: &'k str) -> Result<(UstorBackend, &'k str), ConnectionError> {
         let (connection, rest) = split(key);
         let (_, backend) = self.serving(connection)?;
         Ok((backend, rest))
@@ -90,7 +102,7 @@ impl Backend for ConnectionsBackend {
         &self,
         image: &str,
         parameters: &BTreeMap<String, String>,
-    ) -> Result<String, ControllerError> {
+    ) -> Result<String, BackendError> {
         let connection = match parameters.get(CONNECTION_PARAMETER) {
             Some(c) => c.clone(),
             None => self.oldest()?,
@@ -121,17 +133,17 @@ impl Backend for ConnectionsBackend {
             .or_else(|| self.directory.oldest())
     }
 
-    async fn export_uri(&self, key: &str) -> Result<String, ControllerError> {
+    async fn export_uri(&self, key: &str) -> Result<String, BackendError> {
         let (backend, rest) = self.route(key)?;
         backend.export_uri(rest).await
     }
 
-    async fn volume(&self, key: &str) -> Result<Option<VolumeMeta>, ControllerError> {
+    async fn volume(&self, key: &str) -> Result<Option<VolumeMeta>, BackendError> {
         let (backend, rest) = self.route(key)?;
         backend.volume(rest).await
     }
 
-    async fn create_volume(&self, key: &str, meta: &VolumeMeta) -> Result<(), ControllerError> {
+    async fn create_volume(&self, key: &str, meta: &VolumeMeta) -> Result<(), BackendError> {
         let (connection, rest) = split(key);
         let (backend, _) = self.route(key)?;
         // A clone or restore copies inside one uStor cluster.
@@ -146,32 +158,33 @@ impl Backend for ConnectionsBackend {
                 .or(self.directory.oldest())
                 == connection.map(str::to_owned).or(self.directory.oldest());
             if !same {
-                return Err(ControllerError::invalid(format!(
-                    "the source {source_key} is on another uStor connection than {key}: \
-                     a clone or restore stays on its source's connection"
-                )));
+                return Err(ConnectionError::SourceElsewhere {
+                    source_key: source_key.clone(),
+                    key: key.to_owned(),
+                }
+                .into());
             }
             *source_key = source_rest.to_owned();
         }
         backend.create_volume(rest, &meta).await
     }
 
-    async fn update_volume(&self, key: &str, meta: &VolumeMeta) -> Result<(), ControllerError> {
+    async fn update_volume(&self, key: &str, meta: &VolumeMeta) -> Result<(), BackendError> {
         let (backend, rest) = self.route(key)?;
         backend.update_volume(rest, meta).await
     }
 
-    async fn delete_volume(&self, key: &str) -> Result<(), ControllerError> {
+    async fn delete_volume(&self, key: &str) -> Result<(), BackendError> {
         let (backend, rest) = self.route(key)?;
         backend.delete_volume(rest).await
     }
 
-    async fn grow_volume(&self, key: &str, size: u64) -> Result<(), ControllerError> {
+    async fn grow_volume(&self, key: &str, size: u64) -> Result<(), BackendError> {
         let (backend, rest) = self.route(key)?;
         backend.grow_volume(rest, size).await
     }
 
-    async fn snapshot(&self, key: &str) -> Result<Option<SnapshotMeta>, ControllerError> {
+    async fn snapshot(&self, key: &str) -> Result<Option<SnapshotMeta>, BackendError> {
         let (connection, rest) = split(key);
         let (backend, _) = self.route(key)?;
         Ok(backend
@@ -180,14 +193,14 @@ impl Backend for ConnectionsBackend {
             .map(|meta| prefixed(connection, meta)))
     }
 
-    async fn create_snapshot(&self, key: &str, meta: &SnapshotMeta) -> Result<(), ControllerError> {
+    async fn create_snapshot(&self, key: &str, meta: &SnapshotMeta) -> Result<(), BackendError> {
         let (backend, rest) = self.route(key)?;
         let mut meta = meta.clone();
         meta.source_image = split(&meta.source_image).1.to_owned();
         backend.create_snapshot(rest, &meta).await
     }
 
-    async fn delete_snapshot(&self, key: &str) -> Result<(), ControllerError> {
+    async fn delete_snapshot(&self, key: &str) -> Result<(), BackendError> {
         let (backend, rest) = self.route(key)?;
         backend.delete_snapshot(rest).await
     }
@@ -195,7 +208,7 @@ impl Backend for ConnectionsBackend {
     async fn snapshots(
         &self,
         near: Option<&str>,
-    ) -> Result<Vec<(String, SnapshotMeta)>, ControllerError> {
+    ) -> Result<Vec<(String, SnapshotMeta)>, BackendError> {
         let (connection, rest) = near.map_or((None, None), |k| {
             let (c, r) = split(k);
             (c, Some(r))
@@ -215,7 +228,7 @@ impl Backend for ConnectionsBackend {
     async fn capacity(
         &self,
         parameters: &BTreeMap<String, String>,
-    ) -> Result<Option<u64>, ControllerError> {
+    ) -> Result<Option<u64>, BackendError> {
         let (_, backend) =
             self.serving(parameters.get(CONNECTION_PARAMETER).map(String::as_str))?;
         backend.capacity(parameters).await

@@ -20,8 +20,58 @@ use std::path::{Path, PathBuf};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use super::{Backend, SnapshotMeta, Source, VolumeMeta};
-use crate::error::ControllerError;
+use super::{Backend, BackendError, SnapshotMeta, Source, VolumeMeta};
+
+/// A step of the local backend that failed, with the file it was about.
+#[derive(Debug, thiserror::Error)]
+pub enum LocalError {
+    /// The filesystem holding the images is full (ENOSPC).
+    #[error("backend storage is full: {op} {}: {source}", path.display())]
+    NoSpace {
+        op: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("backend: {op} {}: {source}", path.display())]
+    Io {
+        op: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("backend: metadata of {kind} {image}: {source}")]
+    BadMetadata {
+        kind: &'static str,
+        image: String,
+        source: serde_json::Error,
+    },
+    #[error("backend: encoding the metadata of {kind} {image}: {source}")]
+    EncodeMetadata {
+        kind: &'static str,
+        image: String,
+        source: serde_json::Error,
+    },
+    #[error("volume image {image} has no metadata")]
+    NoMetadata { image: String },
+    #[error("backend: worker: {0}")]
+    Worker(#[source] tokio::task::JoinError),
+    #[error("backend: free space of {}: {source}", path.display())]
+    FreeSpace {
+        path: PathBuf,
+        source: nix::errno::Errno,
+    },
+}
+
+/// For `map_err`: the failed `op` on `path`, told apart when the disk is full.
+fn io(op: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> LocalError {
+    let path = path.to_owned();
+    move |source| {
+        if source.raw_os_error() == Some(libc::ENOSPC) {
+            LocalError::NoSpace { op, path, source }
+        } else {
+            LocalError::Io { op, path, source }
+        }
+    }
+}
 
 /// Image sizes are whole MiB.
 const GRANULARITY: u64 = 1 << 20;
@@ -34,9 +84,10 @@ pub struct LocalBackend {
 }
 
 impl LocalBackend {
-    pub fn open(root: &Path, export_address: &str) -> Result<Self, ControllerError> {
+    pub fn open(root: &Path, export_address: &str) -> Result<Self, LocalError> {
         for d in ["images", "snapshots", "meta"] {
-            fs::create_dir_all(root.join(d))?;
+            let dir = root.join(d);
+            fs::create_dir_all(&dir).map_err(io("create directory", &dir))?;
         }
         Ok(Self {
             root: root.to_owned(),
@@ -57,77 +108,91 @@ impl LocalBackend {
         self.root.join("snapshots").join(image)
     }
 
-    fn meta_path(&self, kind: &str, image: &str) -> PathBuf {
+    fn meta_path(&self, kind: &'static str, image: &str) -> PathBuf {
         self.root.join("meta").join(format!("{kind}-{image}.json"))
     }
 
     fn read_meta<T: DeserializeOwned>(
         &self,
-        kind: &str,
+        kind: &'static str,
         image: &str,
-    ) -> Result<Option<T>, ControllerError> {
-        match fs::read(self.meta_path(kind, image)) {
-            Ok(bytes) => serde_json::from_slice(&bytes)
-                .map(Some)
-                .map_err(|e| ControllerError::Backend(format!("metadata of {kind} {image}: {e}"))),
+    ) -> Result<Option<T>, LocalError> {
+        let path = self.meta_path(kind, image);
+        match fs::read(&path) {
+            Ok(bytes) => {
+                serde_json::from_slice(&bytes)
+                    .map(Some)
+                    .map_err(|source| LocalError::BadMetadata {
+                        kind,
+                        image: image.to_owned(),
+                        source,
+                    })
+            }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(e.into()),
+            Err(e) => Err(io("read", &path)(e)),
         }
     }
 
     /// Metadata is replaced atomically: temp file, fsync, rename, fsync the directory.
     fn write_meta<T: Serialize>(
         &self,
-        kind: &str,
+        kind: &'static str,
         image: &str,
         meta: &T,
-    ) -> Result<(), ControllerError> {
+    ) -> Result<(), LocalError> {
         let path = self.meta_path(kind, image);
         let tmp = path.with_extension("json.tmp");
         let json =
-            serde_json::to_vec_pretty(meta).map_err(|e| ControllerError::Backend(e.to_string()))?;
-        let mut f = File::create(&tmp)?;
-        f.write_all(&json)?;
-        f.sync_all()?;
-        fs::rename(&tmp, &path)?;
-        File::open(self.root.join("meta"))?.sync_all()?;
-        Ok(())
+            serde_json::to_vec_pretty(meta).map_err(|source| LocalError::EncodeMetadata {
+                kind,
+                image: image.to_owned(),
+                source,
+            })?;
+        let mut f = File::create(&tmp).map_err(io("create", &tmp))?;
+        f.write_all(&json).map_err(io("write", &tmp))?;
+        f.sync_all().map_err(io("fsync", &tmp))?;
+        fs::rename(&tmp, &path).map_err(io("rename into place", &path))?;
+        let dir = self.root.join("meta");
+        File::open(&dir)
+            .and_then(|d| d.sync_all())
+            .map_err(io("fsync", &dir))
     }
 
-    fn remove(path: &Path) -> Result<(), ControllerError> {
+    fn remove(path: &Path) -> Result<(), LocalError> {
         match fs::remove_file(path) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(e.into()),
+            Err(e) => Err(io("remove", path)(e)),
         }
     }
 }
 
 async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T, ControllerError> + Send + 'static,
-) -> Result<T, ControllerError> {
+    f: impl FnOnce() -> Result<T, LocalError> + Send + 'static,
+) -> Result<T, LocalError> {
     tokio::task::spawn_blocking(f)
         .await
-        .map_err(|e| ControllerError::Backend(format!("worker: {e}")))?
+        .map_err(LocalError::Worker)?
 }
 
 /// Copies `from` to `to` (which must not exist) as an independent file of `size` bytes: a
 /// reflink when the filesystem can, else a sparse copy that skips zero blocks.
-pub fn copy_image(from: &Path, to: &Path, size: u64) -> Result<(), ControllerError> {
-    let src = File::open(from)?;
+pub fn copy_image(from: &Path, to: &Path, size: u64) -> Result<(), LocalError> {
+    let src = File::open(from).map_err(io("open", from))?;
     let tmp = to.with_extension("partial");
     let dst = OpenOptions::new()
         .write(true)
         .create(true)
         .truncate(true)
-        .open(&tmp)?;
+        .open(&tmp)
+        .map_err(io("create", &tmp))?;
     if !reflink(&src, &dst) {
-        sparse_copy(&src, &dst)?;
+        sparse_copy(&src, &dst).map_err(io("copy into", &tmp))?;
     }
-    dst.set_len(size.max(src.metadata()?.len()))?;
-    dst.sync_all()?;
-    fs::rename(&tmp, to)?;
-    Ok(())
+    let len = src.metadata().map_err(io("stat", from))?.len();
+    dst.set_len(size.max(len)).map_err(io("resize", &tmp))?;
+    dst.sync_all().map_err(io("fsync", &tmp))?;
+    fs::rename(&tmp, to).map_err(io("rename into place", to))
 }
 
 fn reflink(src: &File, dst: &File) -> bool {
@@ -139,7 +204,7 @@ fn reflink(src: &File, dst: &File) -> bool {
     rc == 0
 }
 
-fn sparse_copy(src: &File, dst: &File) -> Result<(), ControllerError> {
+fn sparse_copy(src: &File, dst: &File) -> std::io::Result<()> {
     let mut reader = src;
     let mut buf = vec![0u8; 1 << 20];
     let mut offset = 0u64;
@@ -167,29 +232,30 @@ impl Backend for LocalBackend {
         GRANULARITY
     }
 
-    async fn export_uri(&self, image: &str) -> Result<String, ControllerError> {
+    async fn export_uri(&self, image: &str) -> Result<String, BackendError> {
         Ok(format!("nbd://{}/{image}", self.export_address))
     }
 
-    async fn volume(&self, image: &str) -> Result<Option<VolumeMeta>, ControllerError> {
-        self.read_meta("volume", image)
+    async fn volume(&self, image: &str) -> Result<Option<VolumeMeta>, BackendError> {
+        Ok(self.read_meta("volume", image)?)
     }
 
-    async fn create_volume(&self, image: &str, meta: &VolumeMeta) -> Result<(), ControllerError> {
+    async fn create_volume(&self, image: &str, meta: &VolumeMeta) -> Result<(), BackendError> {
         let this = self.clone();
         let (image, meta) = (image.to_owned(), meta.clone());
         blocking(move || {
             let path = this.image_path(&image);
             match &meta.source {
-                None => {
-                    let f = OpenOptions::new()
-                        .write(true)
-                        .create(true)
-                        .truncate(false)
-                        .open(&path)?;
-                    f.set_len(meta.size)?;
-                    f.sync_all()?;
-                }
+                None => OpenOptions::new()
+                    .write(true)
+                    .create(true)
+                    .truncate(false)
+                    .open(&path)
+                    .and_then(|f| {
+                        f.set_len(meta.size)?;
+                        f.sync_all()
+                    })
+                    .map_err(io("create", &path))?,
                 Some(Source::Snapshot(s)) => copy_image(&this.snapshot_path(s), &path, meta.size)?,
                 Some(Source::Volume(v)) => copy_image(&this.image_path(v), &path, meta.size)?,
             }
@@ -197,42 +263,46 @@ impl Backend for LocalBackend {
             // repeated CreateVolume finds without metadata and simply recreates.
             this.write_meta("volume", &image, &meta)
         })
-        .await
+        .await?;
+        Ok(())
     }
 
-    async fn update_volume(&self, image: &str, meta: &VolumeMeta) -> Result<(), ControllerError> {
-        self.write_meta("volume", image, meta)
+    async fn update_volume(&self, image: &str, meta: &VolumeMeta) -> Result<(), BackendError> {
+        Ok(self.write_meta("volume", image, meta)?)
     }
 
-    async fn delete_volume(&self, image: &str) -> Result<(), ControllerError> {
+    async fn delete_volume(&self, image: &str) -> Result<(), BackendError> {
         Self::remove(&self.meta_path("volume", image))?;
-        Self::remove(&self.image_path(image))
+        Ok(Self::remove(&self.image_path(image))?)
     }
 
-    async fn grow_volume(&self, image: &str, size: u64) -> Result<(), ControllerError> {
-        let f = OpenOptions::new()
+    async fn grow_volume(&self, image: &str, size: u64) -> Result<(), BackendError> {
+        let path = self.image_path(image);
+        OpenOptions::new()
             .write(true)
-            .open(self.image_path(image))?;
-        if f.metadata()?.len() < size {
-            f.set_len(size)?;
-            f.sync_all()?;
-        }
-        let mut meta: VolumeMeta = self.read_meta("volume", image)?.ok_or_else(|| {
-            ControllerError::NotFound(format!("volume image {image} has no metadata"))
-        })?;
+            .open(&path)
+            .and_then(|f| {
+                if f.metadata()?.len() < size {
+                    f.set_len(size)?;
+                    f.sync_all()?;
+                }
+                Ok(())
+            })
+            .map_err(io("grow", &path))?;
+        let mut meta: VolumeMeta =
+            self.read_meta("volume", image)?
+                .ok_or_else(|| LocalError::NoMetadata {
+                    image: image.to_owned(),
+                })?;
         meta.size = meta.size.max(size);
-        self.write_meta("volume", image, &meta)
+        Ok(self.write_meta("volume", image, &meta)?)
     }
 
-    async fn snapshot(&self, image: &str) -> Result<Option<SnapshotMeta>, ControllerError> {
-        self.read_meta("snapshot", image)
+    async fn snapshot(&self, image: &str) -> Result<Option<SnapshotMeta>, BackendError> {
+        Ok(self.read_meta("snapshot", image)?)
     }
 
-    async fn create_snapshot(
-        &self,
-        image: &str,
-        meta: &SnapshotMeta,
-    ) -> Result<(), ControllerError> {
+    async fn create_snapshot(&self, image: &str, meta: &SnapshotMeta) -> Result<(), BackendError> {
         let this = self.clone();
         let (image, meta) = (image.to_owned(), meta.clone());
         blocking(move || {
@@ -243,21 +313,23 @@ impl Backend for LocalBackend {
             )?;
             this.write_meta("snapshot", &image, &meta)
         })
-        .await
+        .await?;
+        Ok(())
     }
 
-    async fn delete_snapshot(&self, image: &str) -> Result<(), ControllerError> {
+    async fn delete_snapshot(&self, image: &str) -> Result<(), BackendError> {
         Self::remove(&self.meta_path("snapshot", image))?;
-        Self::remove(&self.snapshot_path(image))
+        Ok(Self::remove(&self.snapshot_path(image))?)
     }
 
     async fn snapshots(
         &self,
         _near: Option<&str>,
-    ) -> Result<Vec<(String, SnapshotMeta)>, ControllerError> {
+    ) -> Result<Vec<(String, SnapshotMeta)>, BackendError> {
         let mut out = Vec::new();
-        for entry in fs::read_dir(self.root.join("meta"))? {
-            let name = entry?.file_name();
+        let dir = self.root.join("meta");
+        for entry in fs::read_dir(&dir).map_err(io("list", &dir))? {
+            let name = entry.map_err(io("list", &dir))?.file_name();
             let Some(image) = name
                 .to_str()
                 .and_then(|n| n.strip_prefix("snapshot-")?.strip_suffix(".json"))
@@ -275,9 +347,11 @@ impl Backend for LocalBackend {
     async fn capacity(
         &self,
         _parameters: &std::collections::BTreeMap<String, String>,
-    ) -> Result<Option<u64>, ControllerError> {
-        let s = nix::sys::statvfs::statvfs(&self.root)
-            .map_err(|e| ControllerError::Backend(e.to_string()))?;
+    ) -> Result<Option<u64>, BackendError> {
+        let s = nix::sys::statvfs::statvfs(&self.root).map_err(|source| LocalError::FreeSpace {
+            path: self.root.clone(),
+            source,
+        })?;
         Ok(Some(s.blocks_available() * s.fragment_size()))
     }
 }

@@ -2,6 +2,7 @@
 //! uStor cluster's management API, and the uStor clusters of every MindUstorStorageConnection.
 
 pub mod connections;
+pub mod error;
 pub mod local;
 pub mod ustor;
 
@@ -10,7 +11,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::ControllerError;
+pub use error::BackendError;
 
 /// What a new volume is filled from.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -49,7 +50,7 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// Sizes are rounded up to a multiple of this.
     fn granularity(&self) -> u64;
     /// The NBD URI nodes attach the image through.
-    async fn export_uri(&self, image: &str) -> Result<String, ControllerError>;
+    async fn export_uri(&self, image: &str) -> Result<String, BackendError>;
     /// The node's TLS profile an `nbds://` export of `image` is dialed with (the node's
     /// default TLS settings when `None`).
     fn tls_profile(&self, _image: &str) -> Option<String> {
@@ -62,7 +63,7 @@ pub trait Backend: Send + Sync + fmt::Debug {
         &self,
         image: &str,
         _parameters: &BTreeMap<String, String>,
-    ) -> Result<String, ControllerError> {
+    ) -> Result<String, BackendError> {
         Ok(image.to_owned())
     }
 
@@ -71,36 +72,32 @@ pub trait Backend: Send + Sync + fmt::Debug {
         image.to_owned()
     }
 
-    async fn volume(&self, image: &str) -> Result<Option<VolumeMeta>, ControllerError>;
+    async fn volume(&self, image: &str) -> Result<Option<VolumeMeta>, BackendError>;
     /// Creates the image (empty, or filled from `meta.source`) and records `meta`.
-    async fn create_volume(&self, image: &str, meta: &VolumeMeta) -> Result<(), ControllerError>;
+    async fn create_volume(&self, image: &str, meta: &VolumeMeta) -> Result<(), BackendError>;
     /// Records a changed `meta` (publications) without touching data.
-    async fn update_volume(&self, image: &str, meta: &VolumeMeta) -> Result<(), ControllerError>;
+    async fn update_volume(&self, image: &str, meta: &VolumeMeta) -> Result<(), BackendError>;
     /// Idempotent.
-    async fn delete_volume(&self, image: &str) -> Result<(), ControllerError>;
+    async fn delete_volume(&self, image: &str) -> Result<(), BackendError>;
     /// Grows the image; never shrinks.
-    async fn grow_volume(&self, image: &str, size: u64) -> Result<(), ControllerError>;
+    async fn grow_volume(&self, image: &str, size: u64) -> Result<(), BackendError>;
 
-    async fn snapshot(&self, image: &str) -> Result<Option<SnapshotMeta>, ControllerError>;
-    async fn create_snapshot(
-        &self,
-        image: &str,
-        meta: &SnapshotMeta,
-    ) -> Result<(), ControllerError>;
+    async fn snapshot(&self, image: &str) -> Result<Option<SnapshotMeta>, BackendError>;
+    async fn create_snapshot(&self, image: &str, meta: &SnapshotMeta) -> Result<(), BackendError>;
     /// Idempotent.
-    async fn delete_snapshot(&self, image: &str) -> Result<(), ControllerError>;
+    async fn delete_snapshot(&self, image: &str) -> Result<(), BackendError>;
     /// Every snapshot, by image name. `near` is an image key the caller filters by (a
     /// snapshot's, or a source volume's): a backend with pools looks in that key's pool,
     /// else in its default one.
     async fn snapshots(
         &self,
         near: Option<&str>,
-    ) -> Result<Vec<(String, SnapshotMeta)>, ControllerError>;
+    ) -> Result<Vec<(String, SnapshotMeta)>, BackendError>;
 
     /// Bytes available for new volumes with these StorageClass parameters (a pool), if the
     /// backend can tell.
     async fn capacity(
         &self,
         parameters: &BTreeMap<String, String>,
-    ) -> Result<Option<u64>, ControllerError>;
+    ) -> Result<Option<u64>, BackendError>;
 }

@@ -15,11 +15,10 @@ use kube::{Api, ResourceExt};
 
 use super::crd::{ConnectionStatus, MindUstorStorageConnection, Phase};
 use super::{Context, GlueError};
-use crate::backend::connections::ConnectionDirectory;
+use crate::backend::connections::{ConnectionDirectory, ConnectionError};
 use crate::backend::ustor::api::{check_url, Scheme, UstorApi};
 use crate::backend::ustor::credentials::{Credentials, SharedCredentials};
 use crate::backend::ustor::login::Refusal;
-use crate::error::ControllerError;
 
 /// Keys of the credentials Secret.
 pub const CREDENTIAL_KEYS: [&str; 2] = ["username", "password"];
@@ -101,7 +100,7 @@ impl Directory {
 }
 
 impl ConnectionDirectory for Directory {
-    fn api(&self, connection: &str) -> Result<Arc<UstorApi>, ControllerError> {
+    fn api(&self, connection: &str) -> Result<Arc<UstorApi>, ConnectionError> {
         self.prune();
         if let Some(session) = self.sessions.get(connection) {
             return Ok(Arc::clone(&session.api));
@@ -112,16 +111,17 @@ impl ConnectionDirectory for Directory {
             .into_iter()
             .find(|c| c.name_any() == connection);
         Err(match known {
-            Some(c) => ControllerError::Unavailable(format!(
-                "MindUstorStorageConnection {connection} is not usable yet: {}",
-                c.status
+            Some(c) => ConnectionError::NotUsable {
+                connection: connection.to_owned(),
+                reason: c
+                    .status
                     .as_ref()
                     .and_then(|s| s.reason.clone())
-                    .unwrap_or_else(|| "being checked".into())
-            )),
-            None => ControllerError::FailedPrecondition(format!(
-                "MindUstorStorageConnection {connection} does not exist"
-            )),
+                    .unwrap_or_else(|| "being checked".into()),
+            },
+            None => ConnectionError::Unknown {
+                connection: connection.to_owned(),
+            },
         })
     }
 

@@ -11,7 +11,7 @@ use kube::runtime::reflector::{self, Store};
 use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Api, Client};
 
-use crate::service::Nodes;
+use crate::provision::Nodes;
 use csi_proto::DRIVER_NAME;
 
 #[derive(Debug, Clone)]

@@ -1,10 +1,8 @@
-//! The gRPC services for the provisioning sidecars.
+//! The gRPC services for the provisioning sidecars, wire only: [`controller`] hands each
+//! RPC to the domain (`crate::provision`) through one wrapper, [`status`] is the one table
+//! from an error to the gRPC code, [`rpc`] names the RPCs.
 
 pub mod controller;
 pub mod identity;
-
-/// Which CSI nodes of this driver exist (in Kubernetes: CSINode objects naming it).
-pub trait Nodes: Send + Sync + std::fmt::Debug {
-    /// `None` while the list is still loading.
-    fn has_node(&self, node_id: &str) -> Option<bool>;
-}
+pub mod rpc;
+pub mod status;

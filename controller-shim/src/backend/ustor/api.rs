@@ -1,5 +1,6 @@
 //! The client of the uStor management API, per `controller-shim/USTOR_API.md`: login under
-//! the rules of [`LoginPolicy`], bearer tokens renewed on expiry, errors mapped to CSI codes.
+//! the rules of [`LoginPolicy`], bearer tokens renewed on expiry, answers typed by the contract's error table
+//! ([`UstorError`]).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -10,8 +11,8 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::Mutex;
 
 use super::credentials::CredentialSource;
+use super::error::{ApiCall, UstorError};
 use super::login::{Decision, LoginPolicy, Refusal, Timing};
-use crate::error::ControllerError;
 
 /// How the management API is reached.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -120,21 +121,17 @@ impl UstorApi {
         credentials: Arc<dyn CredentialSource>,
         timing: Timing,
         clock: Clock,
-    ) -> Result<Self, ControllerError> {
+    ) -> Result<Self, UstorError> {
         // One process-wide TLS provider; a second install is harmless.
         let _ = rustls::crypto::ring::default_provider().install_default();
         let mut builder = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(10))
             .timeout(Duration::from_secs(30));
         if let Some(pem) = ca_pem {
-            let ca = reqwest::Certificate::from_pem(pem).map_err(|e| {
-                ControllerError::FailedPrecondition(format!("uStor CA certificate: {e}"))
-            })?;
+            let ca = reqwest::Certificate::from_pem(pem).map_err(UstorError::CaCertificate)?;
             builder = builder.tls_certs_only([ca]);
         }
-        let http = builder
-            .build()
-            .map_err(|e| ControllerError::Backend(format!("HTTP client: {e}")))?;
+        let http = builder.build().map_err(UstorError::HttpClient)?;
         Ok(Self {
             base: base.trim_end_matches('/').to_owned(),
             http,
@@ -165,17 +162,20 @@ impl UstorApi {
 
     /// Logs in now if the rules allow it. The outcome is what the connection's Authenticated
     /// condition shows.
-    pub async fn login(&self) -> Result<(), ControllerError> {
+    pub async fn login(&self) -> Result<(), UstorError> {
         let mut session = self.session.lock().await;
         self.login_locked(&mut session).await
     }
 
-    async fn login_locked(&self, session: &mut Session) -> Result<(), ControllerError> {
+    async fn login_locked(&self, session: &mut Session) -> Result<(), UstorError> {
         let credentials = self.credentials.read()?;
         let fingerprint = credentials.fingerprint();
         let now = (self.clock)();
         if let Decision::Wait { reason, retry_in } = session.policy.decide(now, fingerprint) {
-            return Err(refused(reason, Some(retry_in)));
+            return Err(UstorError::LoginRefused {
+                reason,
+                retry_in: Some(retry_in),
+            });
         }
         let body = serde_json::json!({"username": credentials.username, "password": credentials.password()});
         let outcome = match self
@@ -194,9 +194,7 @@ impl UstorApi {
                     session.token = Some(t.token);
                     Ok(())
                 }
-                Err(e) => {
-                    return Err(ControllerError::Backend(format!("login answer: {e}")));
-                }
+                Err(e) => return Err(UstorError::LoginAnswer(e)),
             },
             Ok(r) => {
                 let code = r
@@ -220,14 +218,17 @@ impl UstorApi {
             Err(reason) => {
                 session.token = None;
                 tracing::error!(user = %credentials.username, %reason, advice = reason.advice(), "uStor refused the login");
-                Err(refused(reason, None))
+                Err(UstorError::LoginRefused {
+                    reason,
+                    retry_in: None,
+                })
             }
         }
     }
 
     /// The hourly login, and a retry of a refused one once the rules allow: run it every
     /// minute or so.
-    pub async fn keepalive(&self) -> Result<(), ControllerError> {
+    pub async fn keepalive(&self) -> Result<(), UstorError> {
         let mut session = self.session.lock().await;
         if session.policy.check_due((self.clock)()) {
             session.token = None;
@@ -243,18 +244,18 @@ impl UstorApi {
     }
 
     /// One API call; logs in first if needed, and once more if the token expired. Counted
-    /// by method and outcome (the gRPC code it maps to).
+    /// by method and outcome (the gRPC code the status table maps it to, as for CSI calls).
     pub async fn call<T: DeserializeOwned, B: Serialize + ?Sized>(
         &self,
         method: Method,
         path: &str,
         body: Option<&B>,
-    ) -> Result<Option<T>, ControllerError> {
+    ) -> Result<Option<T>, UstorError> {
         let result = self.call_uncounted(method.clone(), path, body).await;
         if let Some((metrics, connection)) = &self.metrics {
             let outcome = match &result {
                 Ok(_) => "Ok".to_owned(),
-                Err(e) => format!("{:?}", e.code()),
+                Err(e) => format!("{:?}", crate::service::status::ustor_code(e)),
             };
             metrics.count(connection, method.as_str(), outcome);
         }
@@ -266,7 +267,11 @@ impl UstorApi {
         method: Method,
         path: &str,
         body: Option<&B>,
-    ) -> Result<Option<T>, ControllerError> {
+    ) -> Result<Option<T>, UstorError> {
+        let call = || ApiCall {
+            method: method.clone(),
+            path: path.to_owned(),
+        };
         for attempt in 0..2 {
             let token = {
                 let mut session = self.session.lock().await;
@@ -282,10 +287,10 @@ impl UstorApi {
             if let Some(b) = body {
                 req = req.json(b);
             }
-            let resp = req
-                .send()
-                .await
-                .map_err(|e| ControllerError::Unavailable(format!("uStor management API: {e}")))?;
+            let resp = req.send().await.map_err(|source| UstorError::Unreachable {
+                call: call(),
+                source,
+            })?;
             let status = resp.status();
             if status.is_success() {
                 if status == StatusCode::NO_CONTENT {
@@ -295,7 +300,10 @@ impl UstorApi {
                     .json::<T>()
                     .await
                     .map(Some)
-                    .map_err(|e| ControllerError::Backend(format!("{method} {path}: {e}")));
+                    .map_err(|source| UstorError::BadAnswer {
+                        call: call(),
+                        source,
+                    });
             }
             let detail = resp
                 .json::<ErrorBody>()
@@ -309,90 +317,13 @@ impl UstorApi {
                 self.session.lock().await.token = None;
                 continue;
             }
-            return Err(api_error(status, &detail, &method, path));
+            return Err(UstorError::answer(
+                call(),
+                status,
+                detail.code,
+                detail.message,
+            ));
         }
-        Err(ControllerError::Unavailable(format!(
-            "{method} {path}: token expired twice in a row"
-        )))
-    }
-}
-
-fn refused(reason: Refusal, retry_in: Option<Duration>) -> ControllerError {
-    let wait = retry_in
-        .map(|d| {
-            format!(
-                "; not retried with the same credentials for another {}s",
-                d.as_secs()
-            )
-        })
-        .unwrap_or_default();
-    let msg = format!(
-        "uStor refused the login: {reason} ({}){wait}",
-        reason.advice()
-    );
-    if reason == Refusal::Unreachable {
-        ControllerError::Unavailable(msg)
-    } else {
-        ControllerError::Unauthenticated(msg)
-    }
-}
-
-/// The contract's error table, in one place.
-fn api_error(
-    status: StatusCode,
-    detail: &ErrorDetail,
-    method: &Method,
-    path: &str,
-) -> ControllerError {
-    let msg = format!(
-        "uStor {method} {path}: {} {}: {}",
-        status.as_u16(),
-        detail.code,
-        detail.message
-    );
-    match (status.as_u16(), detail.code.as_str()) {
-        (400, _) => ControllerError::InvalidArgument(msg),
-        (401, _) => ControllerError::Unauthenticated(msg),
-        (403, _) => ControllerError::PermissionDenied(msg),
-        (404, _) => ControllerError::NotFound(msg),
-        (409, "AlreadyExists") => ControllerError::AlreadyExists(msg),
-        (409, _) => ControllerError::FailedPrecondition(msg),
-        (429 | 503, _) => ControllerError::Unavailable(msg),
-        (507, _) => ControllerError::ResourceExhausted(msg),
-        _ => ControllerError::Backend(msg),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_error_table_maps_to_csi_codes() {
-        let d = |code: &str| ErrorDetail {
-            code: code.into(),
-            message: "m".into(),
-        };
-        let cases = [
-            (400, "InvalidArgument", tonic::Code::InvalidArgument),
-            (401, "LoginRejected", tonic::Code::Unauthenticated),
-            (403, "Forbidden", tonic::Code::PermissionDenied),
-            (404, "NotFound", tonic::Code::NotFound),
-            (409, "AlreadyExists", tonic::Code::AlreadyExists),
-            (409, "HasDependents", tonic::Code::FailedPrecondition),
-            (503, "Unavailable", tonic::Code::Unavailable),
-            (507, "NoSpace", tonic::Code::ResourceExhausted),
-            (500, "Oops", tonic::Code::Internal),
-        ];
-        for (status, code, want) in cases {
-            let e = api_error(
-                StatusCode::from_u16(status).unwrap(),
-                &d(code),
-                &Method::GET,
-                "/x",
-            );
-            assert_eq!(e.code(), want, "{status} {code}");
-            assert!(e.to_string().contains(code));
-        }
+        Err(UstorError::TokenExpiredTwice { call: call() })
     }
 }

@@ -10,8 +10,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::api::UstorApi;
-use crate::backend::{Backend, SnapshotMeta, Source, VolumeMeta};
-use crate::error::ControllerError;
+use super::error::UstorError;
+use crate::backend::{Backend, BackendError, SnapshotMeta, Source, VolumeMeta};
 
 /// Sizes are whole MiB (the smallest allocation unit assumed for uStor).
 const GRANULARITY: u64 = 1 << 20;
@@ -64,17 +64,19 @@ struct Pool {
     free_bytes: u64,
 }
 
-fn split(key: &str) -> Result<(&str, &str), ControllerError> {
+fn split(key: &str) -> Result<(&str, &str), UstorError> {
     key.split_once('/')
-        .ok_or_else(|| ControllerError::invalid(format!("uStor image key {key:?} names no pool")))
+        .ok_or_else(|| UstorError::KeyWithoutPool {
+            key: key.to_owned(),
+        })
 }
 
 /// Label values are strings; structured ones are JSON inside them.
-fn encode<T: serde::Serialize>(v: &T) -> Result<String, ControllerError> {
-    serde_json::to_string(v).map_err(|e| ControllerError::Backend(e.to_string()))
+fn encode<T: serde::Serialize>(v: &T) -> Result<String, UstorError> {
+    serde_json::to_string(v).map_err(UstorError::EncodeLabel)
 }
 
-fn labels(meta: &VolumeMeta) -> Result<Value, ControllerError> {
+fn labels(meta: &VolumeMeta) -> Result<Value, UstorError> {
     Ok(json!({
         "csi.name": meta.name,
         "csi.parameters": encode(&meta.parameters)?,
@@ -85,16 +87,15 @@ fn labels(meta: &VolumeMeta) -> Result<Value, ControllerError> {
 
 fn label<T: serde::de::DeserializeOwned + Default>(
     image: &Image,
-    key: &str,
-) -> Result<T, ControllerError> {
+    key: &'static str,
+) -> Result<T, UstorError> {
     match image.labels.get(key) {
         None => Ok(T::default()),
-        Some(v) => serde_json::from_str(v)
-            .map_err(|e| ControllerError::Backend(format!("label {key} of a uStor image: {e}"))),
+        Some(v) => serde_json::from_str(v).map_err(|source| UstorError::BadLabel { key, source }),
     }
 }
 
-fn from_labels(image: &Image) -> Result<VolumeMeta, ControllerError> {
+fn from_labels(image: &Image) -> Result<VolumeMeta, UstorError> {
     Ok(VolumeMeta {
         name: image.labels.get("csi.name").cloned().unwrap_or_default(),
         size: image.size_bytes,
@@ -119,34 +120,32 @@ impl UstorBackend {
     async fn get<T: serde::de::DeserializeOwned>(
         &self,
         path: &str,
-    ) -> Result<Option<T>, ControllerError> {
+    ) -> Result<Option<T>, UstorError> {
         match self.api.call::<T, Value>(Method::GET, path, None).await {
-            Err(ControllerError::NotFound(_)) => Ok(None),
+            Err(UstorError::NotFound(_)) => Ok(None),
             other => other,
         }
     }
 
     /// A call whose answer body does not matter.
-    async fn send(&self, method: Method, path: &str, body: &Value) -> Result<(), ControllerError> {
-        self.api
-            .call::<Value, _>(method, path, Some(body))
-            .await
-            .map(drop)
+    async fn send(&self, method: Method, path: &str, body: &Value) -> Result<(), BackendError> {
+        self.api.call::<Value, _>(method, path, Some(body)).await?;
+        Ok(())
     }
 
     /// DELETE; what is already gone counts as deleted.
-    async fn delete(&self, path: &str) -> Result<(), ControllerError> {
+    async fn delete(&self, path: &str) -> Result<(), BackendError> {
         match self
             .api
             .call::<Value, Value>(Method::DELETE, path, None)
             .await
         {
-            Ok(_) | Err(ControllerError::NotFound(_)) => Ok(()),
-            Err(e) => Err(e),
+            Ok(_) | Err(UstorError::NotFound(_)) => Ok(()),
+            Err(e) => Err(e.into()),
         }
     }
 
-    async fn image(&self, key: &str) -> Result<Option<Image>, ControllerError> {
+    async fn image(&self, key: &str) -> Result<Option<Image>, UstorError> {
         let (pool, name) = split(key)?;
         self.get(&format!("/api/v1/pools/{pool}/images/{name}"))
             .await
@@ -167,7 +166,7 @@ impl Backend for UstorBackend {
         &self,
         image: &str,
         parameters: &BTreeMap<String, String>,
-    ) -> Result<String, ControllerError> {
+    ) -> Result<String, BackendError> {
         let pool = parameters.get("pool").unwrap_or(&self.default_pool);
         crate::ids::valid_pool(pool)?;
         Ok(format!("{pool}/{image}"))
@@ -180,28 +179,37 @@ impl Backend for UstorBackend {
         format!("{pool}/{image}")
     }
 
-    async fn export_uri(&self, key: &str) -> Result<String, ControllerError> {
-        let image = self.image(key).await?.ok_or_else(|| {
-            ControllerError::NotFound(format!("uStor image {key} does not exist"))
-        })?;
+    async fn export_uri(&self, key: &str) -> Result<String, BackendError> {
+        let image = self
+            .image(key)
+            .await?
+            .ok_or_else(|| UstorError::ImageMissing {
+                key: key.to_owned(),
+            })?;
         // NbdUri brackets an IPv6 host and percent-encodes the export name (uStor's may hold
         // characters a URI path cannot).
         let uri = nbd::NbdUri::tcp(image.nbd.host, image.nbd.port, image.nbd.export);
         Ok(if image.nbd.tls { uri.with_tls() } else { uri }.to_string())
     }
 
-    async fn volume(&self, key: &str) -> Result<Option<VolumeMeta>, ControllerError> {
-        self.image(key).await?.as_ref().map(from_labels).transpose()
+    async fn volume(&self, key: &str) -> Result<Option<VolumeMeta>, BackendError> {
+        Ok(self
+            .image(key)
+            .await?
+            .as_ref()
+            .map(from_labels)
+            .transpose()?)
     }
 
-    async fn create_volume(&self, key: &str, meta: &VolumeMeta) -> Result<(), ControllerError> {
+    async fn create_volume(&self, key: &str, meta: &VolumeMeta) -> Result<(), BackendError> {
         let (pool, name) = split(key)?;
-        let same_pool = |source_key: &str| -> Result<String, ControllerError> {
+        let same_pool = |source_key: &str| -> Result<String, UstorError> {
             let (p, n) = split(source_key)?;
             if p != pool {
-                return Err(ControllerError::invalid(format!(
-                    "the source lives in pool {p:?}; a volume restored or cloned from it must use the same pool, not {pool:?}"
-                )));
+                return Err(UstorError::SourceInOtherPool {
+                    source_pool: p.to_owned(),
+                    pool: pool.to_owned(),
+                });
             }
             Ok(n.to_owned())
         };
@@ -215,7 +223,7 @@ impl Backend for UstorBackend {
             .await
     }
 
-    async fn update_volume(&self, key: &str, meta: &VolumeMeta) -> Result<(), ControllerError> {
+    async fn update_volume(&self, key: &str, meta: &VolumeMeta) -> Result<(), BackendError> {
         let (pool, name) = split(key)?;
         let body = json!({"labels": labels(meta)?});
         self.send(
@@ -226,13 +234,13 @@ impl Backend for UstorBackend {
         .await
     }
 
-    async fn delete_volume(&self, key: &str) -> Result<(), ControllerError> {
+    async fn delete_volume(&self, key: &str) -> Result<(), BackendError> {
         let (pool, name) = split(key)?;
         self.delete(&format!("/api/v1/pools/{pool}/images/{name}"))
             .await
     }
 
-    async fn grow_volume(&self, key: &str, size: u64) -> Result<(), ControllerError> {
+    async fn grow_volume(&self, key: &str, size: u64) -> Result<(), BackendError> {
         let (pool, name) = split(key)?;
         let body = json!({"sizeBytes": size});
         self.send(
@@ -243,7 +251,7 @@ impl Backend for UstorBackend {
         .await
     }
 
-    async fn snapshot(&self, key: &str) -> Result<Option<SnapshotMeta>, ControllerError> {
+    async fn snapshot(&self, key: &str) -> Result<Option<SnapshotMeta>, BackendError> {
         let (pool, name) = split(key)?;
         let snapshot: Option<Snapshot> = self
             .get(&format!("/api/v1/pools/{pool}/snapshots/{name}"))
@@ -251,14 +259,14 @@ impl Backend for UstorBackend {
         Ok(snapshot.map(|s| snapshot_meta(pool, s)))
     }
 
-    async fn create_snapshot(&self, key: &str, meta: &SnapshotMeta) -> Result<(), ControllerError> {
+    async fn create_snapshot(&self, key: &str, meta: &SnapshotMeta) -> Result<(), BackendError> {
         let (pool, name) = split(key)?;
         let (_, source) = split(&meta.source_image)?;
         let path = format!("/api/v1/pools/{pool}/images/{source}/snapshots");
         self.send(Method::POST, &path, &json!({"name": name})).await
     }
 
-    async fn delete_snapshot(&self, key: &str) -> Result<(), ControllerError> {
+    async fn delete_snapshot(&self, key: &str) -> Result<(), BackendError> {
         let (pool, name) = split(key)?;
         self.delete(&format!("/api/v1/pools/{pool}/snapshots/{name}"))
             .await
@@ -267,7 +275,7 @@ impl Backend for UstorBackend {
     async fn snapshots(
         &self,
         near: Option<&str>,
-    ) -> Result<Vec<(String, SnapshotMeta)>, ControllerError> {
+    ) -> Result<Vec<(String, SnapshotMeta)>, BackendError> {
         let pool = near
             .and_then(|key| key.split_once('/'))
             .map_or(self.default_pool.as_str(), |(p, _)| p);
@@ -292,7 +300,7 @@ impl Backend for UstorBackend {
     async fn capacity(
         &self,
         parameters: &BTreeMap<String, String>,
-    ) -> Result<Option<u64>, ControllerError> {
+    ) -> Result<Option<u64>, BackendError> {
         let pool = parameters.get("pool").unwrap_or(&self.default_pool);
         crate::ids::valid_pool(pool)?;
         Ok(self

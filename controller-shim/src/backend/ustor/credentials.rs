@@ -6,7 +6,19 @@
 use std::fmt;
 use std::path::{Path, PathBuf};
 
-use crate::error::ControllerError;
+/// Why the credentials could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum CredentialsError {
+    #[error("uStor credentials: the connection's Secret has not been read yet")]
+    NotRead,
+    #[error("uStor credentials: {}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("uStor credentials: {} is empty", path.display())]
+    Empty { path: PathBuf },
+}
 
 #[derive(Clone, PartialEq, Eq)]
 pub struct Credentials {
@@ -54,7 +66,7 @@ impl fmt::Debug for Credentials {
 
 /// Where the login finds the current credentials.
 pub trait CredentialSource: Send + Sync + fmt::Debug {
-    fn read(&self) -> Result<Credentials, ControllerError>;
+    fn read(&self) -> Result<Credentials, CredentialsError>;
 }
 
 /// Credentials another task keeps current (the connection reconciler, from the Secret).
@@ -68,16 +80,12 @@ impl SharedCredentials {
 }
 
 impl CredentialSource for SharedCredentials {
-    fn read(&self) -> Result<Credentials, ControllerError> {
+    fn read(&self) -> Result<Credentials, CredentialsError> {
         self.0
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
-            .ok_or_else(|| {
-                ControllerError::FailedPrecondition(
-                    "uStor credentials: the connection's Secret has not been read yet".into(),
-                )
-            })
+            .ok_or(CredentialsError::NotRead)
     }
 }
 
@@ -97,21 +105,16 @@ impl CredentialsDir {
 }
 
 impl CredentialSource for CredentialsDir {
-    fn read(&self) -> Result<Credentials, ControllerError> {
-        let read = |name: &str| -> Result<String, ControllerError> {
+    fn read(&self) -> Result<Credentials, CredentialsError> {
+        let read = |name: &str| -> Result<String, CredentialsError> {
             let path = self.dir.join(name);
-            let value = std::fs::read_to_string(&path).map_err(|e| {
-                ControllerError::FailedPrecondition(format!(
-                    "uStor credentials: {}: {e}",
-                    path.display()
-                ))
-            })?;
+            let value = match std::fs::read_to_string(&path) {
+                Ok(value) => value,
+                Err(source) => return Err(CredentialsError::Read { path, source }),
+            };
             let value = value.trim_end_matches(['\n', '\r']).to_owned();
             if value.is_empty() {
-                return Err(ControllerError::FailedPrecondition(format!(
-                    "uStor credentials: {} is empty",
-                    path.display()
-                )));
+                return Err(CredentialsError::Empty { path });
             }
             Ok(value)
         };
@@ -144,9 +147,6 @@ mod tests {
         );
 
         std::fs::write(dir.path().join("password"), "").unwrap();
-        assert!(matches!(
-            source.read(),
-            Err(ControllerError::FailedPrecondition(_))
-        ));
+        assert!(matches!(source.read(), Err(CredentialsError::Empty { .. })));
     }
 }

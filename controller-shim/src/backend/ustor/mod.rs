@@ -6,4 +6,5 @@
 pub mod api;
 pub mod backend;
 pub mod credentials;
+pub mod error;
 pub mod login;

@@ -1,0 +1,165 @@
+//! The controller's domain: volumes, their publications and snapshots over a [`Backend`].
+//! Each operation takes the CSI request, checks it ([`crate::request`]), takes the locks of
+//! the images it touches, and gives the CSI answer or a typed error; which gRPC code that
+//! error becomes is `service::status`'s business.
+//!
+//! - [`volumes`]: create, delete, expand, validate capabilities, capacity;
+//! - [`publish`]: ControllerPublish/Unpublish bookkeeping and the node check;
+//! - [`snapshots`]: create, delete, list.
+
+pub mod publish;
+pub mod snapshots;
+pub mod volumes;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use csi_proto::csi::volume_content_source::{SnapshotSource, Type as SourceType, VolumeSource};
+use csi_proto::csi::{Snapshot, Topology, Volume, VolumeContentSource};
+use csi_proto::locks::KeyedLocks;
+
+use crate::backend::{Backend, BackendError, SnapshotMeta, Source, VolumeMeta};
+use crate::ids::{Handle, IdError, Kind};
+pub use publish::Nodes;
+pub use snapshots::SnapshotError;
+pub use volumes::VolumeError;
+
+/// Topology segment every node running the node service reports.
+pub use csi_proto::TOPOLOGY_KEY;
+
+#[derive(Debug)]
+pub struct Provisioner {
+    backend: Arc<dyn Backend>,
+    cluster_id: String,
+    /// One mutating call per image at a time (`v:<key>` volumes, `s:<key>` snapshots): a
+    /// long copy for a clone holds its own images, not every other call.
+    images: KeyedLocks,
+    /// Known nodes, when running in Kubernetes; without it every node id is taken as given.
+    nodes: Option<Arc<dyn Nodes>>,
+}
+
+/// The lock key of a volume's image.
+fn volume_lock(image: &str) -> String {
+    format!("v:{image}")
+}
+
+/// The lock key of a snapshot's image.
+fn snapshot_lock(image: &str) -> String {
+    format!("s:{image}")
+}
+
+impl Provisioner {
+    pub fn new(backend: Arc<dyn Backend>, cluster_id: String) -> Self {
+        Self {
+            backend,
+            cluster_id,
+            images: KeyedLocks::default(),
+            nodes: None,
+        }
+    }
+
+    /// Checks ControllerPublishVolume's node id against `nodes`.
+    pub fn with_nodes(mut self, nodes: Arc<dyn Nodes>) -> Self {
+        self.nodes = Some(nodes);
+        self
+    }
+
+    fn volume_handle(&self, raw: &str) -> Result<Handle, IdError> {
+        Handle::parse(raw, self.backend.name(), Kind::Volume)
+    }
+
+    fn snapshot_handle(&self, raw: &str) -> Result<Handle, IdError> {
+        Handle::parse(raw, self.backend.name(), Kind::Snapshot)
+    }
+
+    async fn existing_volume(&self, h: &Handle) -> Result<VolumeMeta, crate::error::Error> {
+        self.backend
+            .volume(&h.image)
+            .await?
+            .ok_or_else(|| VolumeError::Missing { volume: h.clone() }.into())
+    }
+
+    /// What a node needs to attach `image`: its URI, the connection count, and for an
+    /// `nbds://` export the TLS profile of its connection.
+    async fn export_context(
+        &self,
+        image: &str,
+        meta: &VolumeMeta,
+    ) -> Result<HashMap<String, String>, BackendError> {
+        let uri = self.backend.export_uri(image).await?;
+        let mut context = HashMap::new();
+        if let Some(n) = meta.parameters.get("nbdConnections") {
+            context.insert("nbdConnections".into(), n.clone());
+        }
+        if uri.parse::<nbd::NbdUri>().is_ok_and(|u| u.tls()) {
+            if let Some(profile) = self.backend.tls_profile(image) {
+                context.insert("tlsProfile".into(), profile);
+            }
+        }
+        context.insert("nbdUri".into(), uri);
+        Ok(context)
+    }
+
+    async fn volume_answer(&self, image: &str, meta: &VolumeMeta) -> Result<Volume, BackendError> {
+        let context = self.export_context(image, meta).await?;
+        Ok(Volume {
+            capacity_bytes: wire_size(meta.size),
+            volume_id: Handle::new(self.backend.name(), Kind::Volume, image.to_owned()).to_string(),
+            volume_context: context,
+            content_source: meta.source.as_ref().map(|s| self.content_source(s)),
+            accessible_topology: vec![Topology {
+                segments: [(TOPOLOGY_KEY.to_owned(), "true".to_owned())].into(),
+            }],
+        })
+    }
+
+    fn content_source(&self, source: &Source) -> VolumeContentSource {
+        let backend = self.backend.name();
+        VolumeContentSource {
+            r#type: Some(match source {
+                Source::Snapshot(s) => SourceType::Snapshot(SnapshotSource {
+                    snapshot_id: Handle::new(backend, Kind::Snapshot, s.clone()).to_string(),
+                }),
+                Source::Volume(v) => SourceType::Volume(VolumeSource {
+                    volume_id: Handle::new(backend, Kind::Volume, v.clone()).to_string(),
+                }),
+            }),
+        }
+    }
+
+    fn snapshot_answer(&self, image: &str, meta: &SnapshotMeta) -> Snapshot {
+        let backend = self.backend.name();
+        Snapshot {
+            size_bytes: wire_size(meta.size),
+            snapshot_id: Handle::new(backend, Kind::Snapshot, image.to_owned()).to_string(),
+            source_volume_id: Handle::new(backend, Kind::Volume, meta.source_image.clone())
+                .to_string(),
+            creation_time: Some(prost_types::Timestamp {
+                seconds: meta.created,
+                nanos: 0,
+            }),
+            ready_to_use: true,
+            group_snapshot_id: String::new(),
+        }
+    }
+}
+
+/// A size for the wire's signed fields; no image reaches 2^63 bytes.
+fn wire_size(bytes: u64) -> i64 {
+    i64::try_from(bytes).unwrap_or(i64::MAX)
+}
+
+/// For deletes: an id this driver did not issue names nothing, so for the spec it is already
+/// deleted (`None`); any other parse error stands.
+fn issued_by_us(
+    parsed: Result<Handle, IdError>,
+    op: &'static str,
+) -> Result<Option<Handle>, IdError> {
+    match parsed {
+        Err(e) if e.is_unknown_id() => {
+            tracing::info!(op, why = %e, "an id this driver did not issue: nothing to delete");
+            Ok(None)
+        }
+        other => other.map(Some),
+    }
+}

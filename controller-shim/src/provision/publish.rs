@@ -1,0 +1,91 @@
+//! ControllerPublishVolume / ControllerUnpublishVolume: which nodes a volume is published to
+//! is recorded with the volume (nothing is attached here: the node daemon attaches), so the
+//! access mode's one-node rule holds across nodes.
+
+use csi_proto::capability;
+use csi_proto::csi::*;
+
+use super::{volume_lock, Provisioner, VolumeError};
+use crate::error::Error;
+use crate::request::{self, require, RequestError};
+
+/// Which CSI nodes of this driver exist (in Kubernetes: CSINode objects naming it).
+pub trait Nodes: Send + Sync + std::fmt::Debug {
+    /// `None` while the list is still loading.
+    fn has_node(&self, node_id: &str) -> Option<bool>;
+}
+
+impl Provisioner {
+    fn require_node(&self, node_id: &str) -> Result<(), VolumeError> {
+        match self.nodes.as_ref().map(|n| n.has_node(node_id)) {
+            None | Some(Some(true)) => Ok(()),
+            Some(Some(false)) => Err(VolumeError::NodeUnknown {
+                node: node_id.to_owned(),
+            }),
+            Some(None) => Err(VolumeError::NodeListLoading),
+        }
+    }
+
+    pub async fn publish(
+        &self,
+        r: ControllerPublishVolumeRequest,
+    ) -> Result<ControllerPublishVolumeResponse, Error> {
+        // Every required field is checked before the volume is looked up (csi-sanity).
+        require(!r.volume_id.is_empty(), "volume_id")?;
+        require(!r.node_id.is_empty(), "node_id")?;
+        let cap = r.volume_capability.as_ref().ok_or(RequestError::Missing {
+            field: "volume_capability",
+        })?;
+        let mode = request::check_capability(cap)?;
+        let h = self.volume_handle(&r.volume_id)?;
+        let _locked = self.images.lock(&volume_lock(&h.image)).await;
+        let mut meta = self.existing_volume(&h).await?;
+        self.require_node(&r.node_id)?;
+        match meta.published.get(&r.node_id) {
+            Some(ro) if *ro != r.readonly => {
+                return Err(VolumeError::PublishedOtherwise {
+                    volume: h,
+                    node: r.node_id,
+                    readonly: *ro,
+                }
+                .into())
+            }
+            Some(_) => {}
+            None => {
+                if !capability::multi_node(mode) && !meta.published.is_empty() {
+                    return Err(VolumeError::SingleNode {
+                        volume: h,
+                        nodes: meta.published.into_keys().collect(),
+                    }
+                    .into());
+                }
+                meta.published.insert(r.node_id.clone(), r.readonly);
+                self.backend.update_volume(&h.image, &meta).await?;
+            }
+        }
+        let context = self.export_context(&h.image, &meta).await?;
+        Ok(ControllerPublishVolumeResponse {
+            publish_context: context,
+        })
+    }
+
+    pub async fn unpublish(
+        &self,
+        r: ControllerUnpublishVolumeRequest,
+    ) -> Result<ControllerUnpublishVolumeResponse, Error> {
+        let h = self.volume_handle(&r.volume_id)?;
+        let _locked = self.images.lock(&volume_lock(&h.image)).await;
+        // A volume or node that is gone is unpublished: OK, per the spec's idempotency rule.
+        if let Some(mut meta) = self.backend.volume(&h.image).await? {
+            let removed = if r.node_id.is_empty() {
+                std::mem::take(&mut meta.published).len()
+            } else {
+                usize::from(meta.published.remove(&r.node_id).is_some())
+            };
+            if removed > 0 {
+                self.backend.update_volume(&h.image, &meta).await?;
+            }
+        }
+        Ok(ControllerUnpublishVolumeResponse {})
+    }
+}

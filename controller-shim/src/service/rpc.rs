@@ -1,0 +1,35 @@
+//! The controller's RPCs, by the names the spec, the logs and the metrics use.
+
+/// One RPC of the CSI Controller service.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Rpc {
+    CreateVolume,
+    DeleteVolume,
+    ControllerPublishVolume,
+    ControllerUnpublishVolume,
+    ValidateVolumeCapabilities,
+    GetCapacity,
+    ControllerGetCapabilities,
+    CreateSnapshot,
+    DeleteSnapshot,
+    ListSnapshots,
+    ControllerExpandVolume,
+}
+
+impl Rpc {
+    pub fn name(self) -> &'static str {
+        match self {
+            Rpc::CreateVolume => "CreateVolume",
+            Rpc::DeleteVolume => "DeleteVolume",
+            Rpc::ControllerPublishVolume => "ControllerPublishVolume",
+            Rpc::ControllerUnpublishVolume => "ControllerUnpublishVolume",
+            Rpc::ValidateVolumeCapabilities => "ValidateVolumeCapabilities",
+            Rpc::GetCapacity => "GetCapacity",
+            Rpc::ControllerGetCapabilities => "ControllerGetCapabilities",
+            Rpc::CreateSnapshot => "CreateSnapshot",
+            Rpc::DeleteSnapshot => "DeleteSnapshot",
+            Rpc::ListSnapshots => "ListSnapshots",
+            Rpc::ControllerExpandVolume => "ControllerExpandVolume",
+        }
+    }
+}

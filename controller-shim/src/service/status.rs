@@ -1,0 +1,180 @@
+//! The one table from a controller error to the gRPC code its RPC answers with. Nothing else
+//! chooses a code: to learn why a call answered, say, FAILED_PRECONDITION, find the error's
+//! variant in the message's words, then its row here. Every enum is matched without a
+//! wildcard, so a new variant does not compile until it has a row.
+//!
+//! The codes are the CSI spec's where it names the case (noted per row), else the closest
+//! gRPC meaning; the uStor rows are `USTOR_API.md`'s error table.
+
+use tonic::{Code, Status};
+
+use super::rpc::Rpc;
+use crate::backend::connections::ConnectionError;
+use crate::backend::local::LocalError;
+use crate::backend::ustor::credentials::CredentialsError;
+use crate::backend::ustor::error::UstorError;
+use crate::backend::BackendError;
+use crate::error::Error;
+use crate::ids::IdError;
+use crate::provision::{SnapshotError, VolumeError};
+use crate::request::RequestError;
+
+/// The answer of `rpc` that failed with `error`: its code and the error's message.
+pub fn status(rpc: Rpc, error: &Error) -> Status {
+    Status::new(code(rpc, error), error.to_string())
+}
+
+pub fn code(rpc: Rpc, error: &Error) -> Code {
+    match error {
+        Error::Request(e) => request(rpc, e),
+        Error::Id(e) => id(e),
+        Error::Backend(e) => backend_code(e),
+        Error::Volume(e) => volume(e),
+        Error::Snapshot(e) => snapshot(e),
+    }
+}
+
+fn request(rpc: Rpc, e: &RequestError) -> Code {
+    use RequestError as R;
+    match (rpc, e) {
+        // Spec, ListSnapshots: "Invalid starting_token" is ABORTED.
+        (Rpc::ListSnapshots, R::BadStartingToken { .. }) => Code::Aborted,
+        // Spec, CreateVolume and ControllerExpandVolume: "Unsupported capacity_range" is
+        // OUT_OF_RANGE.
+        (
+            Rpc::CreateVolume | Rpc::ControllerExpandVolume,
+            R::RequiredOverLimit { .. } | R::MinimumOverLimit { .. } | R::RoundedOverLimit { .. },
+        ) => Code::OutOfRange,
+        (
+            _,
+            R::Missing { .. }
+            | R::NegativeCapacity
+            | R::RequiredOverLimit { .. }
+            | R::MinimumOverLimit { .. }
+            | R::RoundedOverLimit { .. }
+            | R::UnknownParameter { .. }
+            | R::BadConnectionCount { .. }
+            | R::SnapshotParameters { .. }
+            | R::Capability(_)
+            | R::Filesystem { .. }
+            | R::NegativeMaxEntries
+            | R::BadStartingToken { .. },
+        ) => Code::InvalidArgument,
+    }
+}
+
+fn id(e: &IdError) -> Code {
+    match e {
+        IdError::Missing { .. }
+        | IdError::BadName { .. }
+        | IdError::BadImage { .. }
+        | IdError::BadSegment { .. } => Code::InvalidArgument,
+        // An id this driver did not issue names nothing: for the spec, what it names does
+        // not exist.
+        IdError::NotIssued { .. }
+        | IdError::OtherKind { .. }
+        | IdError::OtherBackend { .. }
+        | IdError::ForeignImage { .. } => Code::NotFound,
+    }
+}
+
+fn volume(e: &VolumeError) -> Code {
+    match e {
+        VolumeError::Missing { .. } => Code::NotFound,
+        // Spec, CreateVolume: "Volume already exists but is incompatible".
+        VolumeError::Clash { .. } => Code::AlreadyExists,
+        // Spec, DeleteVolume: "Volume in use".
+        VolumeError::StillPublished { .. } => Code::FailedPrecondition,
+        // Spec, ControllerPublishVolume: "Volume published but is incompatible".
+        VolumeError::PublishedOtherwise { .. } => Code::AlreadyExists,
+        // Spec, ControllerPublishVolume: "Volume published to another node".
+        VolumeError::SingleNode { .. } => Code::FailedPrecondition,
+        // Spec, ControllerPublishVolume: "Node does not exist".
+        VolumeError::NodeUnknown { .. } => Code::NotFound,
+        VolumeError::NodeListLoading => Code::Unavailable,
+    }
+}
+
+fn snapshot(e: &SnapshotError) -> Code {
+    match e {
+        SnapshotError::Missing { .. } => Code::NotFound,
+        // Spec, CreateSnapshot: "Snapshot already exists but is incompatible".
+        SnapshotError::Clash { .. } => Code::AlreadyExists,
+    }
+}
+
+/// A storage error's code in every RPC (the backend request metrics count by it too).
+pub fn backend_code(e: &BackendError) -> Code {
+    match e {
+        BackendError::Local(e) => local(e),
+        BackendError::Ustor(e) => ustor_code(e),
+        BackendError::Connection(e) => connection(e),
+        BackendError::Name(e) => id(e),
+    }
+}
+
+fn local(e: &LocalError) -> Code {
+    match e {
+        LocalError::NoSpace { .. } => Code::ResourceExhausted,
+        LocalError::NoMetadata { .. } => Code::NotFound,
+        LocalError::Io { .. }
+        | LocalError::BadMetadata { .. }
+        | LocalError::EncodeMetadata { .. }
+        | LocalError::Worker(_)
+        | LocalError::FreeSpace { .. } => Code::Internal,
+    }
+}
+
+/// `USTOR_API.md`'s table, then the steps around a call.
+pub fn ustor_code(e: &UstorError) -> Code {
+    match e {
+        UstorError::InvalidArgument(_) => Code::InvalidArgument,
+        UstorError::Unauthorized(_) => Code::Unauthenticated,
+        UstorError::Forbidden(_) => Code::PermissionDenied,
+        UstorError::NotFound(_) => Code::NotFound,
+        UstorError::AlreadyExists(_) => Code::AlreadyExists,
+        UstorError::InUse(_) => Code::FailedPrecondition,
+        // The sidecar retries.
+        UstorError::Busy(_) => Code::Unavailable,
+        UstorError::NoSpace(_) => Code::ResourceExhausted,
+        UstorError::Unexpected(_) => Code::Internal,
+        UstorError::Unreachable { .. } | UstorError::TokenExpiredTwice { .. } => Code::Unavailable,
+        // Not the credentials' fault: retried sooner.
+        UstorError::LoginRefused {
+            reason: crate::backend::ustor::login::Refusal::Unreachable,
+            ..
+        } => Code::Unavailable,
+        UstorError::LoginRefused { .. } => Code::Unauthenticated,
+        UstorError::Credentials(e) => credentials(e),
+        UstorError::CaCertificate(_) => Code::FailedPrecondition,
+        UstorError::KeyWithoutPool { .. } | UstorError::SourceInOtherPool { .. } => {
+            Code::InvalidArgument
+        }
+        UstorError::ImageMissing { .. } => Code::NotFound,
+        UstorError::BadAnswer { .. }
+        | UstorError::LoginAnswer(_)
+        | UstorError::HttpClient(_)
+        | UstorError::BadLabel { .. }
+        | UstorError::EncodeLabel(_) => Code::Internal,
+    }
+}
+
+fn credentials(e: &CredentialsError) -> Code {
+    match e {
+        CredentialsError::NotRead
+        | CredentialsError::Read { .. }
+        | CredentialsError::Empty { .. } => Code::FailedPrecondition,
+    }
+}
+
+fn connection(e: &ConnectionError) -> Code {
+    match e {
+        ConnectionError::NoneExists | ConnectionError::Unknown { .. } => Code::FailedPrecondition,
+        // Being checked or refused: the sidecar retries.
+        ConnectionError::NotUsable { .. } => Code::Unavailable,
+        ConnectionError::SourceElsewhere { .. } => Code::InvalidArgument,
+    }
+}
+
+#[cfg(test)]
+mod tests;
