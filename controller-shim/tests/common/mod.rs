@@ -1,0 +1,256 @@
+//! Helpers of the Kubernetes glue tests (`tests/kube_*.rs`): clients of the test cluster,
+//! applying manifests, waiting for a state, the glue's test settings, the in-process CSI
+//! controller.
+
+// Each test binary uses its own part of these.
+#![allow(dead_code)]
+#![allow(clippy::unwrap_used)] // a test fails by panicking
+
+use controller_shim::backend::ustor::login::Timing;
+use controller_shim::kube::crd::MindUstorStorageConnection;
+use controller_shim::kube::crd::{
+    FsType, MindUstorStorageClass, MindUstorStorageClassSpec, Phase, ReclaimPolicy,
+    VolumeBindingMode,
+};
+use controller_shim::kube::{Glue, Settings};
+use kube::api::{Api, PostParams};
+use kube::Client;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use testkit::kube_cluster::KubeCluster;
+
+pub async fn client(cluster: &KubeCluster) -> Client {
+    client_as(cluster, None).await
+}
+
+/// A client of the cluster's admin, or of the user it impersonates.
+pub async fn client_as(cluster: &KubeCluster, user: Option<&str>) -> Client {
+    let _ = tracing_subscriber::fmt()
+        .with_test_writer()
+        .with_env_filter(std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
+        .try_init();
+    let mut kubeconfig = kube::config::Kubeconfig::read_from(&cluster.kubeconfig).unwrap();
+    if let Some(user) = user {
+        let auth = kubeconfig.auth_infos[0].auth_info.as_mut().unwrap();
+        auth.impersonate = Some(user.to_owned());
+        auth.impersonate_groups = Some(vec!["system:serviceaccounts".into()]);
+    }
+    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+        .await
+        .unwrap();
+    Client::try_from(config).unwrap()
+}
+
+/// Short pauses so the login rules can be watched at work; plain http for the in-repo uStor.
+pub fn test_settings() -> Settings {
+    Settings {
+        snapshot_api_poll: Duration::from_secs(1),
+        allow_insecure_http: true,
+        login_timing: Timing {
+            after_refusal: REFUSAL_PAUSE,
+            after_unreachable: Duration::from_secs(1),
+            keepalive: Duration::from_secs(3600),
+        },
+        ..Settings::default()
+    }
+}
+
+/// The 5-minute pause after a refused login, shortened.
+pub const REFUSAL_PAUSE: Duration = Duration::from_secs(6);
+
+/// `kubectl apply -f -` of `yaml`; panics with kubectl's words when it fails.
+pub fn apply(cluster: &KubeCluster, yaml: &str) {
+    let out = cluster.kubectl_stdin(&["apply", "-f", "-"], yaml).unwrap();
+    assert!(
+        out.status.success(),
+        "kubectl apply: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Installs the CRDs as an operator would, from the committed file, and waits until served.
+pub fn install_crds(cluster: &KubeCluster) {
+    let crds = include_str!("../../../deploy/crds.yaml");
+    apply(cluster, crds);
+    let out = cluster
+        .kubectl(&[
+            "wait",
+            "--for=condition=established",
+            "--timeout=60s",
+            "crd/mindustorstorageconnections.storage.deckhouse.io",
+            "crd/mindustorstorageclasses.storage.deckhouse.io",
+        ])
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Polls `probe` until it gives a value, for at most `timeout`.
+pub async fn eventually<T, F, Fut>(what: &str, timeout: Duration, mut probe: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let started = Instant::now();
+    loop {
+        if let Some(v) = probe().await {
+            return v;
+        }
+        assert!(
+            started.elapsed() < timeout,
+            "{what}: not within {timeout:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+pub fn connection_yaml(name: &str) -> String {
+    format!(
+        "apiVersion: storage.deckhouse.io/v1alpha1\nkind: MindUstorStorageConnection\nmetadata:\n  name: {name}\n\
+         spec:\n  controlPlane:\n    address: https://ustor.example:23004\n    credentialsSecretName: creds\n\
+         \x20 dataPlane:\n    etcdAddresses: [\"https://10.0.0.1:23000\"]\n    osdNetwork: 10.0.0.0/24\n\
+         \x20   tlsSecretName: tls\n"
+    )
+}
+
+pub fn class_spec(connection: &str, pool: &str) -> MindUstorStorageClassSpec {
+    MindUstorStorageClassSpec {
+        connection_name: connection.into(),
+        pool: pool.into(),
+        fs_type: FsType::Ext4,
+        reclaim_policy: ReclaimPolicy::Delete,
+        volume_binding_mode: VolumeBindingMode::WaitForFirstConsumer,
+    }
+}
+
+pub async fn create_class(api: &Api<MindUstorStorageClass>, name: &str, connection: &str) {
+    let class = MindUstorStorageClass::new(name, class_spec(connection, "data"));
+    api.create(&PostParams::default(), &class).await.unwrap();
+}
+
+/// The status of a MindUstorStorageClass once its phase is `phase`.
+pub async fn wait_phase(
+    api: &Api<MindUstorStorageClass>,
+    name: &str,
+    phase: Phase,
+) -> MindUstorStorageClass {
+    eventually(
+        &format!("{name} in phase {phase:?}"),
+        Duration::from_secs(60),
+        || async {
+            let class = api.get(name).await.ok()?;
+            let status = class.status.as_ref()?;
+            (status.phase == Some(phase)).then_some(class)
+        },
+    )
+    .await
+}
+
+/// The VolumeSnapshotClass CRD of the external-snapshotter, enough to serve the API (its
+/// group is protected, hence the approval annotation).
+pub fn snapshot_class_crd() -> String {
+    stand_in_crd(
+        "snapshot.storage.k8s.io",
+        "v1",
+        "VolumeSnapshotClass",
+        "volumesnapshotclasses",
+        "Cluster",
+    )
+    .replace(
+        "metadata:\n",
+        "metadata:\n  annotations:\n    api-approved.kubernetes.io: \"unapproved, the glue tests' stand-in for external-snapshotter's CRD\"\n",
+    )
+}
+
+/// The CSI controller over `backend`, in process, checking nodes through the glue, as the
+/// sidecars reach it: its client and its task.
+pub async fn serve_csi(
+    backend: Arc<dyn controller_shim::backend::Backend>,
+    glue: &Glue,
+    dir: &std::path::Path,
+) -> (
+    csi_proto::csi::controller_client::ControllerClient<tonic::transport::Channel>,
+    tokio::task::JoinHandle<()>,
+) {
+    let socket = dir.join("csi.sock");
+    let nodes: Arc<dyn controller_shim::provision::Nodes> = Arc::new(glue.nodes.clone());
+    let server = {
+        let socket = socket.clone();
+        tokio::spawn(async move {
+            controller_shim::server::serve(
+                &socket,
+                backend,
+                "k8s".into(),
+                None,
+                Default::default(),
+                Some(nodes),
+                std::future::pending(),
+            )
+            .await
+            .unwrap();
+        })
+    };
+    let channel = testkit::csi::wait_connect(&socket, Duration::from_secs(10)).await;
+    (
+        csi_proto::csi::controller_client::ControllerClient::new(channel),
+        server,
+    )
+}
+
+/// A CRD that only serves `kind` (no schema), standing in for another project's.
+pub fn stand_in_crd(group: &str, version: &str, kind: &str, plural: &str, scope: &str) -> String {
+    format!(
+        "apiVersion: apiextensions.k8s.io/v1\nkind: CustomResourceDefinition\nmetadata:\n  name: {plural}.{group}\n\
+         spec:\n  group: {group}\n  names:\n    kind: {kind}\n    plural: {plural}\n    singular: {singular}\n\
+         \x20 scope: {scope}\n  versions:\n  - name: {version}\n    served: true\n    storage: true\n\
+         \x20   schema:\n      openAPIV3Schema:\n        type: object\n        x-kubernetes-preserve-unknown-fields: true\n",
+        singular = kind.to_ascii_lowercase()
+    )
+}
+
+/// A CSINode as kubelet's registration creates it for a node running our node service.
+pub fn register_node(cluster: &KubeCluster, name: &str) {
+    apply(
+        cluster,
+        &format!(
+            "apiVersion: storage.k8s.io/v1\nkind: CSINode\nmetadata:\n  name: {name}\nspec:\n  drivers:\n\
+             \x20 - name: {}\n    nodeID: {name}\n    topologyKeys: [\"{}\"]\n",
+            csi_proto::DRIVER_NAME,
+            csi_proto::TOPOLOGY_KEY
+        ),
+    );
+}
+
+pub const TLS: [(&str, &str); 5] = [
+    ("ca.crt", "ca"),
+    ("client.crt", "crt"),
+    ("client.key", "key"),
+    ("etcd-client.crt", "ecrt"),
+    ("etcd-client.key", "ekey"),
+];
+
+/// The connection once `accept` says its status is the awaited one.
+pub async fn wait_connection(
+    api: &Api<MindUstorStorageConnection>,
+    name: &str,
+    what: &str,
+    accept: impl Fn(&controller_shim::kube::crd::ConnectionStatus) -> bool,
+) -> controller_shim::kube::crd::ConnectionStatus {
+    eventually(
+        &format!("{name}: {what}"),
+        Duration::from_secs(30),
+        || async {
+            let status = api.get(name).await.ok()?.status?;
+            accept(&status).then_some(status)
+        },
+    )
+    .await
+}
+
+pub fn reason_has(status: &controller_shim::kube::crd::ConnectionStatus, text: &str) -> bool {
+    status.reason.as_deref().is_some_and(|r| r.contains(text))
+}

@@ -1,0 +1,82 @@
+//! The Kubernetes glue against a real kube-apiserver and kube-controller-manager (Kubernetes
+//! 1.20, built by tests/kube/build-apiserver), started by each test: ControllerPublishVolume checks the node against the CSINode objects.
+//! Ignored in a plain `cargo test`; `tests/kube/run` runs them.
+
+#![allow(clippy::unwrap_used)] // a test fails by panicking
+
+mod common;
+
+use controller_shim::kube::Glue;
+use std::sync::Arc;
+use std::time::Duration;
+use testkit::kube_cluster::KubeCluster;
+
+use common::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "kube: needs the test API server (tests/kube/run)"]
+async fn controller_publish_to_a_node_without_our_driver_is_not_found() {
+    use controller_shim::backend::local::LocalBackend;
+    use csi_proto::csi::volume_capability::access_mode::Mode;
+    use csi_proto::csi::*;
+
+    let cluster = KubeCluster::start().unwrap();
+    let client = client(&cluster).await;
+    let glue = Glue::start(client, test_settings());
+    register_node(&cluster, "node-a");
+    // Another driver's node: not ours to attach to.
+    apply(
+        &cluster,
+        "apiVersion: storage.k8s.io/v1\nkind: CSINode\nmetadata:\n  name: node-c\nspec:\n  drivers:\n\
+         \x20 - name: other.csi.example.com\n    nodeID: node-c\n",
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let backend = LocalBackend::open(&dir.path().join("store"), "127.0.0.1:10809").unwrap();
+    let (mut csi, server) = serve_csi(Arc::new(backend), &glue, dir.path()).await;
+    let cap = testkit::csi::mount_capability("ext4", Mode::SingleNodeWriter);
+    let volume = csi
+        .create_volume(CreateVolumeRequest {
+            name: "pvc-1".into(),
+            capacity_range: Some(CapacityRange {
+                required_bytes: 1 << 20,
+                limit_bytes: 0,
+            }),
+            volume_capabilities: vec![cap.clone()],
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    let publish = |node: &str| ControllerPublishVolumeRequest {
+        volume_id: volume.volume_id.clone(),
+        node_id: node.into(),
+        volume_capability: Some(cap.clone()),
+        ..Default::default()
+    };
+    let published = eventually("node-a known", Duration::from_secs(30), || {
+        let mut csi = csi.clone();
+        let req = publish("node-a");
+        async move { csi.controller_publish_volume(req).await.ok() }
+    })
+    .await;
+    assert!(published
+        .into_inner()
+        .publish_context
+        .contains_key("nbdUri"));
+    for ghost in ["ghost", "node-c"] {
+        let err = csi
+            .controller_publish_volume(publish(ghost))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            err.code(),
+            tonic::Code::NotFound,
+            "{ghost}: {}",
+            err.message()
+        );
+        assert!(err.message().contains("CSINode"), "{}", err.message());
+    }
+    server.abort();
+}

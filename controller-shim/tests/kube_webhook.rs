@@ -1,0 +1,318 @@
+//! The Kubernetes glue against a real kube-apiserver and kube-controller-manager (Kubernetes
+//! 1.20, built by tests/kube/build-apiserver), started by each test: the admission webhook: what the guide forbids is refused, over TLS with a renewed certificate.
+//! Ignored in a plain `cargo test`; `tests/kube/run` runs them.
+
+#![allow(clippy::unwrap_used)] // a test fails by panicking
+
+mod common;
+
+use controller_shim::kube::crd::MindUstorStorageConnection;
+use controller_shim::kube::crd::{MindUstorStorageClass, Phase};
+use controller_shim::kube::{Glue, Settings};
+use kube::api::{Api, Patch, PatchParams};
+use std::time::Duration;
+use testkit::kube_cluster::KubeCluster;
+
+use common::*;
+
+/// A CA and a serving certificate for 127.0.0.1 signed by it, made with openssl in `dir`:
+/// (CA PEM, certificate path, key path).
+fn make_certificate(dir: &std::path::Path, tag: &str) -> (Vec<u8>, String, String) {
+    let path = |name: &str| dir.join(format!("{tag}-{name}")).display().to_string();
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new("openssl")
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    std::fs::write(path("ext"), "subjectAltName=IP:127.0.0.1\n").unwrap();
+    run(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "1",
+        "-subj",
+        &format!("/CN={tag}-ca"),
+        "-keyout",
+        &path("ca.key"),
+        "-out",
+        &path("ca.crt"),
+    ]);
+    run(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=127.0.0.1",
+        "-keyout",
+        &path("tls.key"),
+        "-out",
+        &path("tls.csr"),
+    ]);
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        &path("tls.csr"),
+        "-CA",
+        &path("ca.crt"),
+        "-CAkey",
+        &path("ca.key"),
+        "-CAcreateserial",
+        "-days",
+        "1",
+        "-extfile",
+        &path("ext"),
+        "-out",
+        &path("tls.crt"),
+    ]);
+    (
+        std::fs::read(path("ca.crt")).unwrap(),
+        path("tls.crt"),
+        path("tls.key"),
+    )
+}
+
+/// deploy/webhook.yaml's ValidatingWebhookConfiguration, pointed at `url` with `ca`: the
+/// rules under test are the shipped ones.
+fn webhook_configuration(url: &str, ca: &[u8]) -> String {
+    let shipped = include_str!("../../deploy/webhook.yaml");
+    let document = shipped
+        .split("\n---\n")
+        .find(|d| d.contains("kind: ValidatingWebhookConfiguration"))
+        .unwrap();
+    let mut config: serde_json::Value = serde_yaml_ng::from_str(document).unwrap();
+    for hook in config["webhooks"].as_array_mut().unwrap() {
+        hook["clientConfig"] = serde_json::json!({
+            "url": url,
+            // ByteString serializes as base64, as caBundle is written.
+            "caBundle": k8s_openapi::ByteString(ca.to_vec()),
+        });
+    }
+    serde_json::to_string(&config).unwrap()
+}
+
+/// `kubectl create -f -` of `yaml` as `user` (with admin rights, so only the webhook can
+/// refuse): the refusal's message, or None when created.
+fn create_as(cluster: &KubeCluster, user: &str, yaml: &str) -> Option<String> {
+    let out = cluster
+        .kubectl_stdin(
+            &[
+                "create",
+                "--as",
+                user,
+                "--as-group",
+                "system:masters",
+                "-f",
+                "-",
+            ],
+            yaml,
+        )
+        .unwrap();
+    (!out.status.success()).then(|| String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+fn claim_yaml(name: &str, class: &str, mode: &str, volume_mode: &str) -> String {
+    format!(
+        "apiVersion: v1\nkind: PersistentVolumeClaim\nmetadata:\n  name: {name}\n  namespace: default\n\
+         spec:\n  storageClassName: {class}\n  accessModes: [{mode}]\n  volumeMode: {volume_mode}\n\
+         \x20 resources:\n    requests:\n      storage: 1Gi\n"
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "kube: needs the test API server (tests/kube/run)"]
+async fn the_webhook_refuses_what_the_guide_forbids_over_tls_with_a_renewed_certificate() {
+    use controller_shim::kube::webhook::WebhookSettings;
+    let cluster = KubeCluster::start().unwrap();
+    install_crds(&cluster);
+    apply(&cluster, include_str!("../../deploy/namespace.yaml"));
+    let certs = tempfile::tempdir().unwrap();
+    let (ca, crt, key) = make_certificate(certs.path(), "first");
+    let put_tls = |crt: &str, key: &str| {
+        let yaml = cluster
+            .kubectl(&[
+                "create",
+                "secret",
+                "tls",
+                "webhook-tls",
+                "-n",
+                "d8-csi-mind-ustor",
+                "--cert",
+                crt,
+                "--key",
+                key,
+                "--dry-run=client",
+                "-o",
+                "yaml",
+            ])
+            .unwrap();
+        apply(&cluster, &String::from_utf8_lossy(&yaml.stdout));
+    };
+    put_tls(&crt, &key);
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let client = client(&cluster).await;
+    let _glue = Glue::start(
+        client.clone(),
+        Settings {
+            webhook: Some(WebhookSettings {
+                listen: ([127, 0, 0, 1], port).into(),
+                cert_secret: "webhook-tls".into(),
+                migration_users: vec!["system:serviceaccount:d8-virtualization:*".into()],
+                // The glue writes with the test's admin user.
+                controller_user: "admin".into(),
+            }),
+            ..test_settings()
+        },
+    );
+    let url = format!("https://127.0.0.1:{port}/validate");
+    apply(&cluster, &webhook_configuration(&url, &ca));
+    apply(&cluster, &connection_yaml("main"));
+    let classes: Api<MindUstorStorageClass> = Api::all(client.clone());
+    create_class(&classes, "fast", "main").await;
+    wait_phase(&classes, "fast", Phase::Created).await;
+
+    // StorageClasses of the driver: the controller's only.
+    let ours = format!(
+        "apiVersion: storage.k8s.io/v1\nkind: StorageClass\nmetadata:\n  name: handmade\nprovisioner: {}\n",
+        csi_proto::DRIVER_NAME
+    );
+    let refused = eventually("the webhook answers", Duration::from_secs(30), || async {
+        create_as(&cluster, "intruder", &ours)
+    })
+    .await;
+    assert!(refused.contains("MindUstorStorageClass"), "{refused}");
+    let other = "apiVersion: storage.k8s.io/v1\nkind: StorageClass\nmetadata:\n  name: other\nprovisioner: example.com/other\n";
+    assert_eq!(create_as(&cluster, "intruder", other), None);
+
+    // Claims: the guide's modes, and what to use instead.
+    let virt = "system:serviceaccount:d8-virtualization:virtualization-controller";
+    for (name, mode, volume_mode, user, says) in [
+        ("rwo-fs", "ReadWriteOnce", "Filesystem", "alice", None),
+        (
+            "rwx-fs",
+            "ReadWriteMany",
+            "Filesystem",
+            "alice",
+            Some("volumeMode: Block"),
+        ),
+        (
+            "rox-fs",
+            "ReadOnlyMany",
+            "Filesystem",
+            "alice",
+            Some("volumeMode: Block"),
+        ),
+        (
+            "rwo-block",
+            "ReadWriteOnce",
+            "Block",
+            "alice",
+            Some("ReadWriteOncePod"),
+        ),
+        (
+            "rox-block",
+            "ReadOnlyMany",
+            "Block",
+            "alice",
+            Some("ReadWriteOncePod"),
+        ),
+        (
+            "rwx-block",
+            "ReadWriteMany",
+            "Block",
+            "alice",
+            Some("virtualization module"),
+        ),
+        ("rwx-block-vm", "ReadWriteMany", "Block", virt, None),
+        (
+            "rwx-fs-vm",
+            "ReadWriteMany",
+            "Filesystem",
+            virt,
+            Some("volumeMode: Block"),
+        ),
+    ] {
+        let result = create_as(&cluster, user, &claim_yaml(name, "fast", mode, volume_mode));
+        match says {
+            None => assert_eq!(result, None, "{name} must be admitted"),
+            Some(text) => {
+                let err = result.unwrap_or_else(|| panic!("{name} must be refused"));
+                assert!(err.contains(text), "{name}: {err}");
+            }
+        }
+    }
+    // Claims of other storage are not ours to judge.
+    assert_eq!(
+        create_as(
+            &cluster,
+            "alice",
+            &claim_yaml("elsewhere", "other", "ReadWriteMany", "Filesystem")
+        ),
+        None
+    );
+
+    // The fixed fields stay fixed; metadata does not.
+    let err = classes
+        .patch(
+            "fast",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({ "spec": { "pool": "other" } })),
+        )
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("cannot be changed"), "{err}");
+    classes
+        .patch(
+            "fast",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({ "metadata": { "labels": { "team": "a" } } })),
+        )
+        .await
+        .unwrap();
+    let connections: Api<MindUstorStorageConnection> = Api::all(client.clone());
+    let move_connection = || async {
+        connections
+            .patch(
+                "main",
+                &PatchParams::default(),
+                &Patch::Merge(serde_json::json!({ "spec": { "controlPlane": { "address": "https://elsewhere:23004" } } })),
+            )
+            .await
+            .unwrap_err()
+            .to_string()
+    };
+    let err = move_connection().await;
+    assert!(err.contains("cannot be changed"), "{err}");
+
+    // A renewed certificate from another CA is served without a restart.
+    let (ca2, crt2, key2) = make_certificate(certs.path(), "second");
+    put_tls(&crt2, &key2);
+    apply(&cluster, &webhook_configuration(&url, &ca2));
+    // (The resources' webhook fails closed: until the new certificate is served, the change
+    // is refused for a TLS error instead.)
+    eventually(
+        "the new certificate served",
+        Duration::from_secs(30),
+        || async {
+            move_connection()
+                .await
+                .contains("cannot be changed")
+                .then_some(())
+        },
+    )
+    .await;
+}
