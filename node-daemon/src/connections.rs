@@ -123,7 +123,7 @@ pub async fn offer_new_connections(
         .export
         .clone()
         .ok_or_else(|| NodeError::ExportUnknown {
-            volume: record.volume_id.clone(),
+            volume: record.volume_id.to_string(),
         })?;
     let uri = crate::node::export_uri(&export)?;
     let dialed = nbd::dial::dial(&uri, &node.dial_options(&export)?).await?;
@@ -145,7 +145,7 @@ pub async fn offer_new_connections(
     let offered = nbd::attach::reconnect_dialed(&node.nl, &device, &dialed).await;
     // Unix sockets the kernel took are kept; every other copy is closed here.
     node.held
-        .offered(volume, &record.identifier, dialed.sockets);
+        .offered(volume, record.identifier.as_str(), dialed.sockets);
     let known = node.connections_of(volume);
     node.set_tcp(volume, &record.identifier, still_established(&known))?;
     offered.map_err(NodeError::from)

@@ -18,10 +18,11 @@ pub use crate::ids::IdError;
 pub use crate::journal::JournalError;
 pub use crate::request::RequestError;
 pub use crate::volumes::expand::ExpandError;
+pub use crate::volumes::lifecycle::IllegalTransition;
 pub use crate::volumes::publish::PublishError;
 pub use crate::volumes::stage::{StageError, UnstageError};
 
-use crate::record::{Access, AccessMode, Phase};
+use crate::record::{Access, AccessMode, Phase, TargetPhase};
 
 #[derive(Debug, thiserror::Error)]
 pub enum NodeError {
@@ -87,6 +88,17 @@ pub enum NodeError {
         "no free NBD device on this node ({source}); raise the nbd module's nbds_max or move volumes away"
     )]
     NoFreeDevice { source: nbd::Error },
+    /// A phase change the lifecycle does not allow.
+    #[error(transparent)]
+    Transition(#[from] IllegalTransition),
+    /// A publish target's phase change the lifecycle does not allow.
+    #[error("volume {volume}: target {} cannot go from {from:?} to {to:?}", target.display())]
+    IllegalTargetTransition {
+        volume: String,
+        target: PathBuf,
+        from: Option<TargetPhase>,
+        to: TargetPhase,
+    },
     /// A blocking step's worker thread panicked or was cancelled.
     #[error("{what}: worker thread failed: {source}")]
     Worker {

@@ -69,7 +69,11 @@ impl Healer {
                         Some(record) => {
                             node.metrics.link_dead.inc();
                             tracing::warn!(volume = %record.volume_id, device = %index, "link dead; reconnecting");
-                            Arc::clone(&self).heal(Arc::clone(&node), record.volume_id, true);
+                            Arc::clone(&self).heal(
+                                Arc::clone(&node),
+                                record.volume_id.to_string(),
+                                true,
+                            );
                         }
                         None => {
                             tracing::debug!(device = %index, "link dead on a device that is not ours")
@@ -112,10 +116,10 @@ impl Healer {
             match liveness(&record.tcp) {
                 // Provably dead: reported as down from the start.
                 Liveness::SomeClosed => {
-                    Arc::clone(self).heal(Arc::clone(node), record.volume_id, true)
+                    Arc::clone(self).heal(Arc::clone(node), record.volume_id.to_string(), true)
                 }
                 Liveness::Unknown => {
-                    Arc::clone(self).heal(Arc::clone(node), record.volume_id, false)
+                    Arc::clone(self).heal(Arc::clone(node), record.volume_id.to_string(), false)
                 }
                 Liveness::AllEstablished => {}
             }
@@ -141,7 +145,7 @@ impl Healer {
                 && liveness(&record.tcp) == Liveness::SomeClosed
             {
                 tracing::warn!(volume = %record.volume_id, device = %index, "a connection is closed and no LINK_DEAD was heard; reconnecting");
-                Arc::clone(self).heal(Arc::clone(node), record.volume_id.clone(), true);
+                Arc::clone(self).heal(Arc::clone(node), record.volume_id.to_string(), true);
             }
             node.keep_scheduler(&record);
         }

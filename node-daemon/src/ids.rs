@@ -42,8 +42,26 @@ impl IdError {
 const MAX_ID: usize = 128;
 
 /// A volume id from the CO: opaque, non-empty, at most 128 bytes, no control characters.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+/// The journal keeps it as a plain string, checked again when read.
+#[derive(
+    Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
+#[serde(try_from = "String", into = "String")]
 pub struct VolumeId(String);
+
+impl TryFrom<String> for VolumeId {
+    type Error = RequestError;
+
+    fn try_from(raw: String) -> Result<Self, RequestError> {
+        Self::parse(&raw)
+    }
+}
+
+impl From<VolumeId> for String {
+    fn from(id: VolumeId) -> String {
+        id.0
+    }
+}
 
 impl VolumeId {
     pub fn parse(raw: &str) -> Result<Self, RequestError> {
@@ -63,6 +81,15 @@ impl VolumeId {
     }
 
     pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// A volume id is used as the key of the node's maps and locks, and in messages.
+impl std::ops::Deref for VolumeId {
+    type Target = str;
+
+    fn deref(&self) -> &str {
         &self.0
     }
 }

@@ -29,11 +29,6 @@ pub enum JournalError {
         path.display()
     )]
     NewerSchema { path: PathBuf, found: u32 },
-    #[error("attachment journal: record of {volume} has a bad identifier: {source}")]
-    BadIdentifier {
-        volume: String,
-        source: nbd::identity::BadBackendId,
-    },
     #[error("attachment journal: stored export {uri:?} is not a URI: {source}")]
     BadExportUri {
         uri: String,
@@ -244,29 +239,30 @@ fn io(path: &Path, op: &'static str, source: std::io::Error) -> JournalError {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeMap;
+    use nbd::DeviceIndex;
 
     use super::*;
-    use crate::record::{Access, AccessMode, Phase};
+    use crate::ids::{Identifier, VolumeId};
+    use crate::record::{Access, AccessMode, Export, Phase};
 
     fn record(volume: &str) -> Record {
-        Record {
-            schema: SCHEMA,
-            volume_id: volume.into(),
-            identifier: format!("ustor:n:{volume}:01"),
-            export: None,
-            device: Some(1),
-            staging_path: Some("/s".into()),
-            access: Access::Block,
-            mode: AccessMode::SingleNodeWriter,
-            phase: Phase::Staged,
-            size_bytes: None,
-            targets: BTreeMap::new(),
-            fs_uuid: None,
-            rebuilt: false,
-            tcp: Vec::new(),
-            tls: None,
-        }
+        let volume = VolumeId::parse(volume).unwrap();
+        let identifier = Identifier::compose("n", &volume, "01").unwrap();
+        let mut r = Record::attaching(
+            volume,
+            identifier,
+            Export {
+                uri: "nbd://h:10809/x".into(),
+                connections: 1,
+                tls_profile: None,
+            },
+            "/s".into(),
+            Access::Block,
+            AccessMode::SingleNodeWriter,
+        );
+        r.export = None;
+        r.device = Some(DeviceIndex(1));
+        r.in_phase(Phase::Staged)
     }
 
     #[test]
@@ -275,7 +271,7 @@ mod tests {
         let j = Journal::open(dir.path()).unwrap();
         let mut r = record("pool/vol 1");
         j.write(&r).unwrap();
-        r.phase = Phase::Unstaging;
+        r = r.in_phase(Phase::Unstaging);
         j.write(&r).unwrap();
         let loaded = j.load().unwrap();
         assert_eq!(loaded.records, vec![r.clone()]);
@@ -310,7 +306,7 @@ mod tests {
 
         let loaded = j.load().unwrap();
         assert_eq!(loaded.records.len(), 1);
-        assert_eq!(loaded.records[0].volume_id, "good");
+        assert_eq!(loaded.records[0].volume_id.as_str(), "good");
         assert_eq!(loaded.quarantined.len(), 2);
         for (moved, _) in &loaded.quarantined {
             assert!(moved.starts_with(dir.path().join("quarantine")) && moved.exists());
@@ -350,7 +346,7 @@ mod tests {
             .unwrap()
             .records
             .into_iter()
-            .map(|r| r.volume_id)
+            .map(|r| r.volume_id.to_string())
             .collect();
         ids.sort();
         assert_eq!(ids, [".", ".hidden", ".tmp.good"]);
@@ -363,6 +359,6 @@ mod tests {
         let j = Journal::open(dir.path()).unwrap();
         let long = "ж".repeat(64);
         j.write(&record(&long)).unwrap();
-        assert_eq!(j.load().unwrap().records[0].volume_id, long);
+        assert_eq!(j.load().unwrap().records[0].volume_id.as_str(), long);
     }
 }

@@ -125,7 +125,7 @@ impl Node {
     pub(crate) fn record_by_device(&self, index: DeviceIndex) -> Option<Record> {
         lock(&self.records)
             .values()
-            .find(|r| r.device == Some(index.0))
+            .find(|r| r.device == Some(index))
             .cloned()
     }
 
@@ -136,13 +136,13 @@ impl Node {
     pub(crate) fn save(&self, record: &Record) -> Result<(), NodeError> {
         let mut records = lock(&self.records);
         let mut record = record.clone();
-        if let Some(current) = records.get(&record.volume_id) {
+        if let Some(current) = records.get(record.volume_id.as_str()) {
             if current.identifier == record.identifier {
                 record.tcp = current.tcp.clone();
             }
         }
         self.journal.write(&record)?;
-        records.insert(record.volume_id.clone(), record);
+        records.insert(record.volume_id.to_string(), record);
         self.metrics.volumes.set(records.len() as i64);
         Ok(())
     }
@@ -152,7 +152,7 @@ impl Node {
     pub(crate) fn save_with_connections(&self, record: &Record) -> Result<(), NodeError> {
         let mut records = lock(&self.records);
         self.journal.write(record)?;
-        records.insert(record.volume_id.clone(), record.clone());
+        records.insert(record.volume_id.to_string(), record.clone());
         self.metrics.volumes.set(records.len() as i64);
         Ok(())
     }
@@ -179,14 +179,14 @@ impl Node {
     pub(crate) fn set_tcp(
         &self,
         volume: &str,
-        identifier: &str,
+        identifier: &BackendId,
         tcp: Vec<TcpConnection>,
     ) -> Result<(), NodeError> {
         let mut records = lock(&self.records);
         let Some(current) = records.get(volume) else {
             return Ok(());
         };
-        if current.identifier != identifier || current.tcp == tcp {
+        if current.identifier != *identifier || current.tcp == tcp {
             return Ok(());
         }
         let mut record = current.clone();
@@ -212,7 +212,7 @@ impl Node {
     /// Loads records without journaling them again (recovery).
     pub(crate) fn adopt(&self, record: Record) {
         let mut records = lock(&self.records);
-        records.insert(record.volume_id.clone(), record);
+        records.insert(record.volume_id.to_string(), record);
         self.metrics.volumes.set(records.len() as i64);
     }
 
@@ -331,13 +331,13 @@ impl Node {
     /// The device of a record, proven to carry the record's identifier. If the record's index
     /// is stale (a device re-created under another number), the identifier finds it.
     pub(crate) fn proven_device(&self, record: &Record) -> Result<Option<ProvenDevice>, NodeError> {
-        let id = identifier(record)?;
+        let id = &record.identifier;
         if let Some(index) = record.device_index() {
-            if let Ok(proven) = self.sysfs.prove(index, &id) {
+            if let Ok(proven) = self.sysfs.prove(index, id) {
                 return Ok(Some(proven));
             }
         }
-        Ok(self.sysfs.find(&id)?)
+        Ok(self.sysfs.find(id)?)
     }
 }
 
@@ -346,15 +346,6 @@ fn count_down(links: &HashMap<String, Link>) -> usize {
         .values()
         .filter(|l| matches!(l, Link::Down { .. }))
         .count()
-}
-
-pub(crate) fn identifier(record: &Record) -> Result<BackendId, NodeError> {
-    BackendId::new(record.identifier.clone()).map_err(|source| {
-        NodeError::from(crate::journal::JournalError::BadIdentifier {
-            volume: record.volume_id.clone(),
-            source,
-        })
-    })
 }
 
 pub(crate) fn export_uri(export: &Export) -> Result<NbdUri, NodeError> {

@@ -4,27 +4,35 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use nbd::{BackendId, DeviceIndex};
 use serde::{Deserialize, Serialize};
+
+use crate::ids::VolumeId;
+use crate::volumes::lifecycle::Owner;
 
 /// Bumped on any change a previous version could misread.
 pub const SCHEMA: u32 = 1;
 
+/// The phase and the targets' phases are private: only [`crate::volumes::lifecycle`] changes
+/// them (it holds the [`Owner`] their setters ask for), journaling each change.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Record {
     pub schema: u32,
-    pub volume_id: String,
+    pub volume_id: VolumeId,
     /// What the device carries in `/sys/block/nbdN/backend`.
-    pub identifier: String,
+    #[serde(with = "backend_id")]
+    pub identifier: BackendId,
     /// Where the data lives. `None` only for a record rebuilt from kernel facts after its
     /// journal entry was lost: the next call that carries a context fills it in.
     pub export: Option<Export>,
     /// `N` of `/dev/nbdN`, once CONNECT has answered.
-    pub device: Option<u32>,
+    #[serde(with = "device_index")]
+    pub device: Option<DeviceIndex>,
     /// The staging path kubelet gave NodeStage. `None` only for a rebuilt block volume.
     pub staging_path: Option<PathBuf>,
     pub access: Access,
     pub mode: AccessMode,
-    pub phase: Phase,
+    phase: Phase,
     /// Size of the device as last attached or expanded.
     pub size_bytes: Option<u64>,
     /// Publish targets, by path.
@@ -161,7 +169,27 @@ pub enum Phase {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Target {
     pub read_only: bool,
-    pub phase: TargetPhase,
+    phase: TargetPhase,
+}
+
+impl Target {
+    /// A target found mounted (a record rebuilt from kernel facts, a guessed staging path
+    /// that is a pod's mount): published already.
+    pub fn published(read_only: bool) -> Self {
+        Self {
+            read_only,
+            phase: TargetPhase::Published,
+        }
+    }
+
+    pub fn phase(&self) -> TargetPhase {
+        self.phase
+    }
+
+    /// For the lifecycle only.
+    pub(crate) fn with_phase(read_only: bool, phase: TargetPhase, _: &Owner) -> Self {
+        Self { read_only, phase }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -173,8 +201,82 @@ pub enum TargetPhase {
 }
 
 impl Record {
-    pub fn device_index(&self) -> Option<nbd::DeviceIndex> {
-        self.device.map(nbd::DeviceIndex)
+    /// A new attachment, before CONNECT: the first phase of every staging.
+    pub fn attaching(
+        volume_id: VolumeId,
+        identifier: BackendId,
+        export: Export,
+        staging_path: PathBuf,
+        access: Access,
+        mode: AccessMode,
+    ) -> Self {
+        Self {
+            schema: SCHEMA,
+            volume_id,
+            identifier,
+            export: Some(export),
+            device: None,
+            staging_path: Some(staging_path),
+            access,
+            mode,
+            phase: Phase::Attaching,
+            size_bytes: None,
+            targets: BTreeMap::new(),
+            fs_uuid: None,
+            rebuilt: false,
+            tcp: Vec::new(),
+            tls: None,
+        }
+    }
+
+    /// A record rebuilt from kernel facts for a device the journal lost: staged, with what
+    /// the mount table says, marked as rebuilt so the CO's word replaces the guesses.
+    pub fn rebuilt(
+        volume_id: VolumeId,
+        identifier: BackendId,
+        device: DeviceIndex,
+        staging_path: Option<PathBuf>,
+        access: Access,
+        targets: BTreeMap<PathBuf, Target>,
+        size_bytes: Option<u64>,
+    ) -> Self {
+        Self {
+            schema: SCHEMA,
+            volume_id,
+            identifier,
+            export: None,
+            device: Some(device),
+            staging_path,
+            access,
+            mode: AccessMode::SingleNodeWriter,
+            phase: Phase::Staged,
+            size_bytes,
+            targets,
+            fs_uuid: None,
+            rebuilt: true,
+            tcp: Vec::new(),
+            tls: None,
+        }
+    }
+
+    pub fn phase(&self) -> Phase {
+        self.phase
+    }
+
+    /// For the lifecycle only, which checks the transition and journals it.
+    pub(crate) fn set_phase(&mut self, phase: Phase, _: &Owner) {
+        self.phase = phase;
+    }
+
+    /// A record in another phase, for tests that need one.
+    #[cfg(test)]
+    pub(crate) fn in_phase(mut self, phase: Phase) -> Self {
+        self.phase = phase;
+        self
+    }
+
+    pub fn device_index(&self) -> Option<DeviceIndex> {
+        self.device
     }
 
     /// Whether the staging path and capability were inferred from kernel facts (the journal
@@ -190,6 +292,37 @@ impl Record {
     /// Whether `path` is a path of this volume: its staging path or one of its targets.
     pub fn owns_path(&self, path: &Path) -> bool {
         self.is_staging_path(path) || self.targets.contains_key(path)
+    }
+}
+
+/// A [`BackendId`] as the journal keeps it: a plain string.
+mod backend_id {
+    use nbd::BackendId;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(id: &BackendId, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(id.as_str())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<BackendId, D::Error> {
+        BackendId::new(String::deserialize(d)?).map_err(serde::de::Error::custom)
+    }
+}
+
+/// A [`DeviceIndex`] as the journal keeps it: `N` of `/dev/nbdN`, or null.
+mod device_index {
+    use nbd::DeviceIndex;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(index: &Option<DeviceIndex>, s: S) -> Result<S::Ok, S::Error> {
+        match index {
+            Some(DeviceIndex(n)) => s.serialize_some(n),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<DeviceIndex>, D::Error> {
+        Ok(Option::<u32>::deserialize(d)?.map(DeviceIndex))
     }
 }
 
@@ -219,14 +352,14 @@ mod tests {
         );
         let r = Record {
             schema: SCHEMA,
-            volume_id: "pvc-1".into(),
-            identifier: "ustor:n:pvc-1:00".into(),
+            volume_id: VolumeId::parse("pvc-1").unwrap(),
+            identifier: BackendId::new("ustor:n:pvc-1:00").unwrap(),
             export: Some(Export {
                 uri: "nbd://h:10809/x".into(),
                 connections: 2,
                 tls_profile: None,
             }),
-            device: Some(3),
+            device: Some(DeviceIndex(3)),
             staging_path: Some("/stage".into()),
             access: Access::Mount {
                 fs: "xfs".into(),
@@ -249,7 +382,63 @@ mod tests {
         assert_eq!(json["phase"]["step"], "expanding");
         assert_eq!(json["access"]["kind"], "mount");
         assert_eq!(json["mode"], "SINGLE_NODE_WRITER");
+        assert_eq!(json["volume_id"], "pvc-1");
+        assert_eq!(json["identifier"], "ustor:n:pvc-1:00");
+        assert_eq!(json["device"], 3);
         let back: Record = serde_json::from_value(json).unwrap();
         assert_eq!(back, r);
+    }
+
+    /// A record exactly as version 0.3 wrote it (before ids were typed) loads, and is written
+    /// back byte for byte.
+    #[test]
+    fn a_record_of_the_previous_version_loads() {
+        let old = r#"{
+  "schema": 1,
+  "volume_id": "pvc-7",
+  "identifier": "ustor:node-a:pvc-7:0011223344556677",
+  "export": {
+    "uri": "nbd://10.0.0.2:10809/pvc-7",
+    "connections": 2
+  },
+  "device": 4,
+  "staging_path": "/var/lib/kubelet/plugins/kubernetes.io/csi/ustor/staging/pvc-7",
+  "access": {
+    "kind": "mount",
+    "fs": "ext4",
+    "flags": []
+  },
+  "mode": "SINGLE_NODE_WRITER",
+  "phase": {
+    "step": "staged"
+  },
+  "size_bytes": 1073741824,
+  "targets": {
+    "/var/lib/kubelet/pods/p/volumes/v/mount": {
+      "read_only": false,
+      "phase": "published"
+    }
+  },
+  "tcp": []
+}"#;
+        let r: Record = serde_json::from_str(old).unwrap();
+        assert_eq!(r.volume_id.as_str(), "pvc-7");
+        assert_eq!(r.identifier.as_str(), "ustor:node-a:pvc-7:0011223344556677");
+        assert_eq!(r.device, Some(DeviceIndex(4)));
+        assert_eq!(r.phase(), Phase::Staged);
+        assert_eq!(
+            r.targets.values().next().map(Target::phase),
+            Some(TargetPhase::Published)
+        );
+        assert_eq!(serde_json::to_string_pretty(&r).unwrap(), old);
+        let unattached = old.replace("\"device\": 4", "\"device\": null");
+        let r: Record = serde_json::from_str(&unattached).unwrap();
+        assert_eq!(r.device, None);
+        for bad in [
+            old.replace("\"pvc-7\",\n", "\"\",\n"),
+            old.replace("ustor:node-a:pvc-7:0011223344556677", "has space"),
+        ] {
+            assert!(serde_json::from_str::<Record>(&bad).is_err(), "{bad}");
+        }
     }
 }

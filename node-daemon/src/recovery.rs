@@ -17,9 +17,9 @@ use mounts::MountTable;
 use serde::Serialize;
 
 use crate::error::NodeError;
-use crate::ids::Identifier;
-use crate::node::{device_numbers, identifier, off_runtime, Node};
-use crate::record::{Access, AccessMode, Phase, Record, Target, TargetPhase, SCHEMA};
+use crate::ids::{Identifier, VolumeId};
+use crate::node::{device_numbers, off_runtime, Node};
+use crate::record::{Access, Phase, Record, Target, TargetPhase};
 use crate::volumes::publish::release_target;
 
 /// What recovery did, for the log, `ustor-csi-node status`, and tests.
@@ -71,7 +71,7 @@ pub async fn reconcile(node: &Arc<Node>, mut report: Report) -> Result<Report, N
         .map(|record| {
             let node = Arc::clone(node);
             let volume = record.volume_id.clone();
-            let phase = record.phase;
+            let phase = record.phase();
             let task = tokio::spawn(async move {
                 let _guard = node.locks.lock(&record.volume_id).await;
                 let mut part = Report::default();
@@ -133,28 +133,25 @@ async fn recover_one(
     let unpublishing: Vec<PathBuf> = record
         .targets
         .iter()
-        .filter(|(_, t)| t.phase == TargetPhase::Unpublishing)
+        .filter(|(_, t)| t.phase() == TargetPhase::Unpublishing)
         .map(|(p, _)| p.clone())
         .collect();
     for target in unpublishing {
         let (path, block) = (target.clone(), record.access.is_block());
         off_runtime("unmount", move || release_target(&path, block)).await?;
-        record.targets.remove(&target);
-        node.save(&record)?;
+        node.drop_targets(&mut record, std::slice::from_ref(&target))?;
         report
             .finished
             .push(format!("{volume}: unpublish of {}", target.display()));
     }
-    match record.phase {
-        Phase::Attaching => match node.sysfs.find(&identifier(&record)?)? {
-            Some(device) => {
-                record.device = Some(device.index().0);
-                record.size_bytes = Some(node.sysfs.size_bytes(device.index())?);
-                record.phase = Phase::Attached;
-                node.save(&record)?;
+    match record.phase() {
+        // The same step as NodeStage's for an interrupted attach; recovery stops at Attached
+        // (even for a block volume) and leaves the rest to kubelet's retry.
+        Phase::Attaching => match node.find_interrupted_attach(&mut record)? {
+            Some(index) => {
+                node.advance(&mut record, Phase::Attached)?;
                 report.waiting.push(format!(
-                    "{volume}: attached as {}; NodeStage will finish",
-                    device.index()
+                    "{volume}: attached as {index}; NodeStage will finish"
                 ));
             }
             None => {
@@ -171,7 +168,7 @@ async fn recover_one(
         Phase::Attached | Phase::Formatting | Phase::Mounting => {
             report.waiting.push(format!(
                 "{volume}: staging stopped at {:?}; NodeStage will resume",
-                record.phase
+                record.phase()
             ));
         }
         Phase::Expanding { .. } if node.proven_device(&record)?.is_none() => {
@@ -204,13 +201,12 @@ async fn recover_staged(
         ));
         return Ok(());
     };
-    if record.device != Some(device.index().0) {
+    // The same step as NodeStage's for a moved device.
+    if node.follow_device_index(&mut record, &device)? {
         report.repaired.push(format!(
             "{volume}: device index updated to {}",
             device.index()
         ));
-        record.device = Some(device.index().0);
-        node.save(&record)?;
     }
     if record.staging_path.is_some() && node.mount_staging(&record, device.index()).await? {
         report.repaired.push(format!(
@@ -247,7 +243,7 @@ fn rebuild_lost(node: &Node, report: &mut Report) -> Result<(), NodeError> {
             continue;
         };
         if let Some(existing) = node.record(&volume) {
-            if existing.identifier != backend {
+            if existing.identifier.as_str() != backend {
                 report.unreconciled.push(format!(
                     "{index} carries {backend}, an older attachment of {volume}: left alone"
                 ));
@@ -281,34 +277,36 @@ fn rebuild_lost(node: &Node, report: &mut Report) -> Result<(), NodeError> {
                     .collect(),
             ),
         };
-        let record = Record {
-            schema: SCHEMA,
-            volume_id: volume.clone(),
-            identifier: backend.clone(),
-            export: None,
-            device: Some(index.0),
+        // Both were made by this daemon, so both parse; a device that says otherwise is not
+        // trusted with a record.
+        let (volume_id, identifier) = match (VolumeId::parse(&volume), backend.parse()) {
+            (Ok(v), Ok(i)) => (v, i),
+            (Err(e), _) => {
+                report.unreconciled.push(format!(
+                    "{index} carries {backend}, whose volume id is not usable: {e}"
+                ));
+                continue;
+            }
+            (_, Err(e)) => {
+                report
+                    .unreconciled
+                    .push(format!("{index} carries {backend}, not usable: {e}"));
+                continue;
+            }
+        };
+        let targets = targets
+            .into_iter()
+            .map(|(p, read_only)| (p, Target::published(read_only)))
+            .collect::<BTreeMap<_, _>>();
+        let record = Record::rebuilt(
+            volume_id,
+            identifier,
+            index,
             staging_path,
             access,
-            mode: AccessMode::SingleNodeWriter,
-            phase: Phase::Staged,
-            size_bytes: node.sysfs.size_bytes(index).ok(),
-            fs_uuid: None,
-            rebuilt: true,
-            tls: None,
-            targets: targets
-                .into_iter()
-                .map(|(p, read_only)| {
-                    (
-                        p,
-                        Target {
-                            read_only,
-                            phase: TargetPhase::Published,
-                        },
-                    )
-                })
-                .collect::<BTreeMap<_, _>>(),
-            tcp: Vec::new(),
-        };
+            targets,
+            node.sysfs.size_bytes(index).ok(),
+        );
         node.save(&record)?;
         tracing::warn!(%volume, device = %index, "journal record rebuilt from kernel facts");
         report.rebuilt.push(format!("{volume}: {index}"));

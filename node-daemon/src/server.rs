@@ -176,7 +176,7 @@ fn take_back_held_sockets(node: &Node, stored: Vec<(std::os::fd::OwnedFd, String
     let identifiers = node
         .records()
         .into_iter()
-        .map(|r| (r.volume_id, r.identifier))
+        .map(|r| (r.volume_id.to_string(), r.identifier.to_string()))
         .collect();
     let kept = node.held.restore(stored, &identifiers);
     tracing::info!(

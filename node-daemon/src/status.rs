@@ -239,12 +239,12 @@ fn device_row(
         backend,
         owner,
         volume: record
-            .map(|r| r.volume_id.clone())
+            .map(|r| r.volume_id.to_string())
             .or_else(|| parsed.as_ref().and_then(|p| p.volume.clone())),
         access: record.map(|r| r.access.to_string()),
         export: record.and_then(|r| r.export.as_ref().map(|e| e.uri.clone())),
         encryption: record.and_then(encryption),
-        step: record.map(|r| step_name(r.phase)),
+        step: record.map(|r| step_name(r.phase())),
         staging_path: record.and_then(|r| r.staging_path.as_ref().map(|p| p.display().to_string())),
         targets: record
             .map(|r| r.targets.keys().map(|p| p.display().to_string()).collect())
@@ -275,26 +275,26 @@ fn encryption(r: &Record) -> Option<String> {
 
 /// What is wrong with a volume whose device the kernel has.
 fn volume_problems(r: &Record, index: DeviceIndex, table: &MountTable, problems: &mut Vec<String>) {
-    if r.device != Some(index.0) {
+    if r.device != Some(index) {
         problems.push(format!(
             "journal says {}, the kernel has the volume on {index}",
             r.device
-                .map(|d| format!("nbd{d}"))
+                .map(|d| format!("nbd{}", d.0))
                 .unwrap_or_else(|| "no device".into())
         ));
     }
-    if r.phase != Phase::Staged {
-        problems.push(format!("stopped at step {}", step_name(r.phase)));
+    if r.phase() != Phase::Staged {
+        problems.push(format!("stopped at step {}", step_name(r.phase())));
     }
     if let (Access::Mount { .. }, Some(staging), Phase::Staged) =
-        (&r.access, &r.staging_path, r.phase)
+        (&r.access, &r.staging_path, r.phase())
     {
         if !table.is_mount_point(staging) {
             problems.push(format!("staging mount missing at {}", staging.display()));
         }
     }
     for (target, t) in &r.targets {
-        if t.phase == TargetPhase::Published && !table.is_mount_point(target) {
+        if t.phase() == TargetPhase::Published && !table.is_mount_point(target) {
             problems.push(format!(
                 "publish target {} is not mounted",
                 target.display()
@@ -305,19 +305,20 @@ fn volume_problems(r: &Record, index: DeviceIndex, table: &MountTable, problems:
 
 fn record_row(r: &Record) -> RecordRow {
     let mut problems = Vec::new();
-    match (r.phase, r.device) {
+    match (r.phase(), r.device) {
         // An attach interrupted before CONNECT: recovery or the next NodeStage clears it.
         (Phase::Attaching, None) => {}
         (_, Some(d)) => problems.push(format!(
-            "journal says nbd{d}, the kernel has no device with its identifier"
+            "journal says nbd{}, the kernel has no device with its identifier",
+            d.0
         )),
         (phase, None) => problems.push(format!("no device at step {}", step_name(phase))),
     }
     RecordRow {
-        volume: r.volume_id.clone(),
-        identifier: r.identifier.clone(),
-        device: r.device.map(|d| format!("nbd{d}")),
-        step: step_name(r.phase),
+        volume: r.volume_id.to_string(),
+        identifier: r.identifier.to_string(),
+        device: r.device.map(|d| format!("nbd{}", d.0)),
+        step: step_name(r.phase()),
         staging_path: r.staging_path.as_ref().map(|p| p.display().to_string()),
         targets: r.targets.keys().map(|p| p.display().to_string()).collect(),
         problems,
@@ -521,7 +522,7 @@ mod tests {
             record_row(&r).problems,
             ["journal says nbd3, the kernel has no device with its identifier"]
         );
-        r.phase = Phase::Attaching;
+        r = r.in_phase(Phase::Attaching);
         r.device = None;
         assert!(record_row(&r).problems.is_empty());
     }

@@ -154,6 +154,8 @@ fn code(rpc: Rpc, e: &NodeError) -> Code {
             ConnectionsError::Detaching { .. } => Code::Unavailable,
             ConnectionsError::NoSocketDiagnostics => Code::FailedPrecondition,
         },
+        // A step the lifecycle does not allow is a bug (or an edited record): not retried.
+        N::Transition(_) | N::IllegalTargetTransition { .. } => Code::Internal,
         N::Worker { .. } | N::Journal(_) | N::Blockdev(_) | N::Id(_) => Code::Internal,
         N::Nbd(e) => nbd_code(e),
         N::Mount(e) => mount_code(e),
@@ -444,6 +446,28 @@ mod tests {
                 crate::ids::IdError::Identifier(nbd::identity::BadBackendId::Empty).into(),
                 Code::Internal,
                 RollBack,
+            ),
+            (
+                NodeStage,
+                crate::error::IllegalTransition {
+                    volume: v(),
+                    from: Phase::Unstaging,
+                    to: Phase::Staged,
+                }
+                .into(),
+                Code::Internal,
+                RollBack,
+            ),
+            (
+                NodePublish,
+                NodeError::IllegalTargetTransition {
+                    volume: v(),
+                    target: "/t".into(),
+                    from: None,
+                    to: crate::record::TargetPhase::Published,
+                },
+                Code::Internal,
+                KeepState,
             ),
             // NodeStage's own.
             (

@@ -83,10 +83,10 @@ impl Node {
                 path: req.volume_path.clone(),
             });
         }
-        if !matches!(record.phase, Phase::Staged | Phase::Expanding { .. }) {
+        if !matches!(record.phase(), Phase::Staged | Phase::Expanding { .. }) {
             return Err(NodeError::NotStagedYet {
                 volume: req.volume.to_string(),
-                phase: record.phase,
+                phase: record.phase(),
             });
         }
         let export = record
@@ -110,27 +110,29 @@ impl Node {
         let device = self
             .proven_device(&record)?
             .ok_or_else(|| NodeError::DeviceGone {
-                volume: record.volume_id.clone(),
+                volume: record.volume_id.to_string(),
             })?;
         let current = self.sysfs.size_bytes(device.index())?;
         refuse_shrink(&record.volume_id, current, info.size)?;
-        record.phase = Phase::Expanding {
-            to_bytes: info.size,
-        };
-        self.save(&record)?;
+        self.advance(
+            &mut record,
+            Phase::Expanding {
+                to_bytes: info.size,
+            },
+        )?;
         self.run_expand(record).await
     }
 
     /// Resize and grow, idempotent; the target size is in the journal.
     pub(crate) async fn run_expand(&self, mut record: Record) -> Result<u64, NodeError> {
-        let Phase::Expanding { to_bytes } = record.phase else {
+        let Phase::Expanding { to_bytes } = record.phase() else {
             return Ok(record.size_bytes.unwrap_or_default());
         };
         self.thaw_staging(&record).await?;
         let device = self
             .proven_device(&record)?
             .ok_or_else(|| NodeError::DeviceGone {
-                volume: record.volume_id.clone(),
+                volume: record.volume_id.to_string(),
             })?;
         let index = device.index();
         let dev = self.sysfs.dev_path(index);
@@ -164,7 +166,7 @@ impl Node {
             self.resize(&record.volume_id, &device, old).await?;
             self.end_expansion(&mut record, old)?;
             return Err(ExpandError::OldConnections {
-                volume: record.volume_id.clone(),
+                volume: record.volume_id.to_string(),
                 old,
             }
             .into());
@@ -187,8 +189,7 @@ impl Node {
 
     fn end_expansion(&self, record: &mut Record, size: u64) -> Result<(), NodeError> {
         record.size_bytes = Some(size);
-        record.phase = Phase::Staged;
-        self.save(record)
+        self.advance(record, Phase::Staged)
     }
 
     /// RECONFIGURE to `bytes`, under the link lock, and wait until the kernel shows it.
@@ -309,7 +310,7 @@ impl Node {
             }
             if std::time::Instant::now() > until {
                 return Err(ExpandError::ReplaceTimedOut {
-                    volume: record.volume_id.clone(),
+                    volume: record.volume_id.to_string(),
                     within: connections::REPLACE_WITHIN,
                 }
                 .into());

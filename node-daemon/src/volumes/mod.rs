@@ -1,6 +1,8 @@
-//! The CSI node operations, each an `impl Node` block.
+//! The CSI node operations, each an `impl Node` block, and the lifecycle that owns a
+//! volume's phases.
 
 pub mod expand;
+pub mod lifecycle;
 pub mod publish;
 pub mod stage;
 pub mod stats;

@@ -8,7 +8,7 @@ use mounts::MountTable;
 use crate::error::NodeError;
 use crate::ids::{Identifier, VolumeId};
 use crate::node::{device_numbers, off_runtime, Node};
-use crate::record::{Access, Export, Phase, Record, Target, TargetPhase};
+use crate::record::{Access, Export, Phase, Record};
 use crate::request::Capability;
 use crate::volumes::stage::staging_path;
 
@@ -79,10 +79,10 @@ impl Node {
             .ok_or_else(|| NodeError::NotStaged {
                 volume: req.volume.to_string(),
             })?;
-        if !matches!(record.phase, Phase::Staged) {
+        if !matches!(record.phase(), Phase::Staged) {
             return Err(NodeError::NotStagedYet {
                 volume: req.volume.to_string(),
-                phase: record.phase,
+                phase: record.phase(),
             });
         }
         if record.inferred() {
@@ -138,21 +138,11 @@ impl Node {
             .into());
         }
 
-        record.targets.insert(
-            req.target.clone(),
-            Target {
-                read_only,
-                phase: TargetPhase::Publishing,
-            },
-        );
-        self.save(&record)?;
+        self.begin_publish(&mut record, &req.target, read_only)?;
         fail::fail_point!("publish-after-journal");
         self.bind_target(&record, &req.target, read_only).await?;
         fail::fail_point!("publish-after-mount");
-        if let Some(t) = record.targets.get_mut(&req.target) {
-            t.phase = TargetPhase::Published;
-        }
-        self.save(&record)
+        self.end_publish(&mut record, &req.target)
     }
 
     /// Makes `target` show the volume, unless it already does. A filesystem is bound only
@@ -167,7 +157,7 @@ impl Node {
         let device = self
             .proven_device(record)?
             .ok_or_else(|| NodeError::DeviceGone {
-                volume: record.volume_id.clone(),
+                volume: record.volume_id.to_string(),
             })?;
         let dev = self.sysfs.dev_path(device.index());
         if self.mount_staging(record, device.index()).await? {
@@ -244,17 +234,15 @@ impl Node {
         let Some(mut record) = self.record(volume.as_str()) else {
             return self.unpublish_unknown(volume, target).await;
         };
-        let Some(entry) = record.targets.get_mut(target) else {
+        if !record.targets.contains_key(target) {
             return self.unpublish_unknown(volume, target).await;
-        };
-        entry.phase = TargetPhase::Unpublishing;
-        self.save(&record)?;
+        }
+        self.begin_unpublish(&mut record, target)?;
         fail::fail_point!("unpublish-after-journal");
         let (path, block) = (target.to_owned(), record.access.is_block());
         off_runtime("unmount", move || release_target(&path, block)).await?;
         fail::fail_point!("unpublish-after-unmount");
-        record.targets.remove(target);
-        self.save(&record)?;
+        self.drop_targets(&mut record, &[target.to_owned()])?;
         if record.access.is_block() && !record.mode.read_only() && record.targets.is_empty() {
             // The last pod is gone: the next publish decides read-only afresh.
             if let Some(device) = self.proven_device(&record)? {

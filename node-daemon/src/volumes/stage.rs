@@ -13,13 +13,14 @@ use std::path::{Path, PathBuf};
 
 use mounts::{Filesystem, MountOptions, MountTable, Probe};
 use nbd::attach;
+use nbd::sysfs::ProvenDevice;
 use nbd::DeviceIndex;
 
 use crate::connections::tcp_pairs;
 use crate::error::NodeError;
 use crate::ids::{random_uuid, Identifier, VolumeId};
-use crate::node::{device_numbers, export_uri, flush_device, identifier, off_runtime, Node};
-use crate::record::{Access, Export, Phase, Record, TargetPhase, SCHEMA};
+use crate::node::{device_numbers, export_uri, flush_device, off_runtime, Node};
+use crate::record::{Access, Export, Phase, Record, Target, TargetPhase};
 use crate::request::Capability;
 use crate::service::codes::{answer, Rpc, Then};
 
@@ -151,38 +152,29 @@ impl Node {
             .await?;
         let existing = match self.record(req.volume.as_str()) {
             // A teardown a crash interrupted is finished before staging anew.
-            Some(r) if r.phase == Phase::Unstaging => {
+            Some(r) if r.phase() == Phase::Unstaging => {
                 self.run_unstage(r).await?;
                 None
             }
             other => other,
         };
-        let was_staged = existing.as_ref().is_some_and(|r| r.phase == Phase::Staged);
+        let was_staged = existing
+            .as_ref()
+            .is_some_and(|r| r.phase() == Phase::Staged);
         let record = match existing {
             Some(existing) => self.reconcile_stage_request(existing, &req)?,
             None => {
                 self.refuse_shared_export(&req)?;
                 // Journaled in step_attach, with its connections, before CONNECT: until then
                 // there is nothing in the kernel to find or undo.
-                Record {
-                    schema: SCHEMA,
-                    volume_id: req.volume.as_str().to_owned(),
-                    identifier: Identifier::new_attachment(&self.settings.node_id, &req.volume)?
-                        .as_str()
-                        .to_owned(),
-                    export: Some(req.export.clone()),
-                    device: None,
-                    staging_path: Some(req.staging_path.clone()),
-                    access: req.capability.access.clone(),
-                    mode: req.capability.mode,
-                    phase: Phase::Attaching,
-                    size_bytes: None,
-                    targets: BTreeMap::new(),
-                    fs_uuid: None,
-                    rebuilt: false,
-                    tcp: Vec::new(),
-                    tls: None,
-                }
+                Record::attaching(
+                    req.volume.clone(),
+                    Identifier::new_attachment(&self.settings.node_id, &req.volume)?,
+                    req.export.clone(),
+                    req.staging_path.clone(),
+                    req.capability.access.clone(),
+                    req.capability.mode,
+                )
             }
         };
         let volume = record.volume_id.clone();
@@ -204,7 +196,7 @@ impl Node {
         let Some(record) = self.record(volume) else {
             return Ok(());
         };
-        if record.phase == Phase::Attaching && self.sysfs.find(&identifier(&record)?)?.is_none() {
+        if record.phase() == Phase::Attaching && self.sysfs.find(&record.identifier)?.is_none() {
             self.forget(volume)?;
         }
         Ok(())
@@ -218,8 +210,7 @@ impl Node {
             return;
         };
         tracing::warn!(%volume, ?code, "stage failed for good; undoing what it did");
-        record.phase = Phase::Unstaging;
-        let undone = match self.save(&record) {
+        let undone = match self.advance(&mut record, Phase::Unstaging) {
             Ok(()) => self.run_unstage(record).await,
             Err(e) => Err(e),
         };
@@ -234,13 +225,12 @@ impl Node {
     /// volume per node; several nodes share a block volume under one id (live migration).
     fn refuse_shared_export(&self, req: &StageRequest) -> Result<(), NodeError> {
         let clash = self.records().into_iter().find(|r| {
-            r.volume_id != req.volume.as_str()
-                && r.export.as_ref().is_some_and(|e| e.uri == req.export.uri)
+            r.volume_id != req.volume && r.export.as_ref().is_some_and(|e| e.uri == req.export.uri)
         });
         match clash {
             Some(other) => Err(StageError::SharedExport {
                 uri: req.export.uri.clone(),
-                other: other.volume_id,
+                other: other.volume_id.to_string(),
             }
             .into()),
             None => Ok(()),
@@ -316,10 +306,7 @@ impl Node {
                 record
                     .targets
                     .entry(guess)
-                    .or_insert(crate::record::Target {
-                        read_only: false,
-                        phase: TargetPhase::Published,
-                    });
+                    .or_insert(Target::published(false));
             }
         }
         record.targets.remove(staging_path);
@@ -336,22 +323,21 @@ impl Node {
         let mut grow_to = None;
         for _ in 0..MAX_STEPS {
             if matches!(
-                record.phase,
+                record.phase(),
                 Phase::Attached | Phase::Formatting | Phase::Mounting | Phase::Expanding { .. }
             ) && self.proven_device(&record)?.is_none()
             {
                 // Node rebooted or the kernel dropped the device mid-stage: attach again, then
                 // probe what the volume holds as if for the first time.
-                tracing::warn!(volume = %record.volume_id, phase = ?record.phase, "device lost mid-stage; attaching again");
-                if let Phase::Expanding { to_bytes } = record.phase {
+                tracing::warn!(volume = %record.volume_id, phase = ?record.phase(), "device lost mid-stage; attaching again");
+                if let Phase::Expanding { to_bytes } = record.phase() {
                     grow_to = Some(to_bytes);
                 }
                 record.device = None;
-                record.phase = Phase::Attaching;
-                self.save(&record)?;
+                self.advance(&mut record, Phase::Attaching)?;
             }
-            let volume = record.volume_id.clone();
-            record.phase = match record.phase {
+            let volume = record.volume_id.to_string();
+            let next = match record.phase() {
                 Phase::Attaching => {
                     self.step_attach(&mut record)
                         .await
@@ -385,41 +371,69 @@ impl Node {
                 },
                 Phase::Unstaging => {
                     return Err(StageError::BeingUnstaged {
-                        volume: record.volume_id,
+                        volume: record.volume_id.to_string(),
                     }
                     .into())
                 }
             };
-            self.save(&record)?;
+            self.advance(&mut record, next)?;
         }
         Err(StageError::DidNotSettle {
-            volume: record.volume_id,
+            volume: record.volume_id.to_string(),
             steps: MAX_STEPS,
         }
         .into())
     }
 
+    /// The device of an attach a crash interrupted, if its CONNECT reached the kernel (the
+    /// identifier tells): the record learns its index and size. The one step of NodeStage and
+    /// recovery for an interrupted attach; the caller journals the phase that follows.
+    pub(crate) fn find_interrupted_attach(
+        &self,
+        record: &mut Record,
+    ) -> Result<Option<DeviceIndex>, NodeError> {
+        let Some(found) = self.sysfs.find(&record.identifier)? else {
+            return Ok(None);
+        };
+        tracing::info!(volume = %record.volume_id, device = %found.index(), "found the device of an interrupted attach");
+        record.device = Some(found.index());
+        record.size_bytes = Some(self.sysfs.size_bytes(found.index())?);
+        Ok(Some(found.index()))
+    }
+
+    /// A device re-created under another number (its identifier proves it is the volume's):
+    /// the record follows it, journaled. Returns whether the index changed. The one step of
+    /// NodeStage and recovery for a moved device.
+    pub(crate) fn follow_device_index(
+        &self,
+        record: &mut Record,
+        device: &ProvenDevice,
+    ) -> Result<bool, NodeError> {
+        if record.device == Some(device.index()) {
+            return Ok(false);
+        }
+        tracing::warn!(volume = %record.volume_id, device = %device.index(), "device index changed");
+        record.device = Some(device.index());
+        self.save(record)?;
+        Ok(true)
+    }
+
     /// CONNECT, unless the crash we are recovering from came after it: the identifier tells.
     async fn step_attach(&self, record: &mut Record) -> Result<Phase, NodeError> {
-        let id = identifier(record)?;
         let export = record.export.clone().ok_or_else(|| StageError::NoExport {
-            volume: record.volume_id.clone(),
+            volume: record.volume_id.to_string(),
         })?;
         // A record not yet journaled has a fresh identifier no device can carry: no scan.
         let journaled = self.record(&record.volume_id).is_some();
         let found = if journaled {
-            self.sysfs.find(&id)?
+            self.find_interrupted_attach(record)?
         } else {
             None
         };
-        let (index, size) = match found {
-            Some(found) => {
-                tracing::info!(volume = %record.volume_id, device = %found.index(), "found the device of an interrupted attach");
-                (found.index(), self.sysfs.size_bytes(found.index())?)
-            }
-            None => {
+        if found.is_none() {
+            {
                 let uri = export_uri(&export)?;
-                let mut opts = self.attach_options(id, &export)?;
+                let mut opts = self.attach_options(record.identifier.clone(), &export)?;
                 opts.read_only = record.mode.read_only();
                 let dialed = nbd::dial::dial(&uri, &opts.dial).await?;
                 check_export_size(&record.volume_id, dialed.info.size)?;
@@ -440,15 +454,16 @@ impl Node {
                     encryption = record.tls.as_deref().unwrap_or("none"),
                     "attached"
                 );
-                let (index, size) = (attached.device.index(), attached.info.size);
-                self.held
-                    .attached(&record.volume_id, &record.identifier, attached.sockets);
-                (index, size)
+                record.device = Some(attached.device.index());
+                record.size_bytes = Some(attached.info.size);
+                self.held.attached(
+                    &record.volume_id,
+                    record.identifier.as_str(),
+                    attached.sockets,
+                );
             }
-        };
+        }
         fail::fail_point!("stage-after-connect");
-        record.device = Some(index.0);
-        record.size_bytes = Some(size);
         // A block volume has nothing to probe, format or mount: staged once attached.
         Ok(if record.access.is_block() {
             Phase::Staged
@@ -470,7 +485,7 @@ impl Node {
         });
         match probed.await? {
             Probe::Blank if record.mode.read_only() => Err(StageError::ReadOnlyBlank {
-                volume: record.volume_id.clone(),
+                volume: record.volume_id.to_string(),
             }
             .into()),
             Probe::Blank => {
@@ -479,7 +494,7 @@ impl Node {
             }
             Probe::Filesystem(found) if &found == fs => Ok(Phase::Mounting),
             Probe::Filesystem(found) | Probe::Other(found) => Err(StageError::ForeignFilesystem {
-                volume: record.volume_id.clone(),
+                volume: record.volume_id.to_string(),
                 found,
                 wanted: fs.clone(),
             }
@@ -501,7 +516,7 @@ impl Node {
             return Ok(Phase::Attached);
         };
         let dev = self.sysfs.dev_path(self.require_device(record)?);
-        let volume = record.volume_id.clone();
+        let volume = record.volume_id.to_string();
         fail::fail_point!("stage-before-mkfs");
         off_runtime("mkfs", move || {
             crate::blockdev::drop_cache(&dev)?;
@@ -594,11 +609,7 @@ impl Node {
             record.device = None;
             return Ok(Some(Phase::Attaching));
         };
-        if record.device != Some(device.index().0) {
-            tracing::warn!(volume = %record.volume_id, device = %device.index(), "device index changed");
-            record.device = Some(device.index().0);
-            return Ok(Some(Phase::Staged));
-        }
+        self.follow_device_index(record, &device)?;
         if matches!(record.access, Access::Mount { .. }) {
             let dev = self.sysfs.dev_path(device.index());
             if !self.mounted_from(&dev, staging_path(record)?)? {
@@ -638,7 +649,7 @@ impl Node {
         let published: BTreeMap<_, _> = record
             .targets
             .iter()
-            .filter(|(_, t)| t.phase != TargetPhase::Unpublishing)
+            .filter(|(_, t)| t.phase() != TargetPhase::Unpublishing)
             .map(|(p, t)| (p.clone(), *t))
             .collect();
         if !published.is_empty() {
@@ -652,8 +663,7 @@ impl Node {
         record
             .staging_path
             .get_or_insert_with(|| staging_path.to_owned());
-        record.phase = Phase::Unstaging;
-        self.save(&record)?;
+        self.advance(&mut record, Phase::Unstaging)?;
         fail::fail_point!("unstage-after-journal");
         self.run_unstage(record).await
     }
@@ -673,9 +683,8 @@ impl Node {
         }
         for t in &stale {
             tracing::warn!(volume = %record.volume_id, target = %t.display(), "publish target is no longer mounted; forgetting it");
-            record.targets.remove(t);
         }
-        self.save(record)
+        self.drop_targets(record, &stale)
     }
 
     /// Teardown, idempotent: staging unmount, flush, DISCONNECT of the proven device, forget.
@@ -730,7 +739,7 @@ impl Node {
         } else {
             Err(UnstageError::ForeignUsers {
                 device: device.index(),
-                volume: record.volume_id.clone(),
+                volume: record.volume_id.to_string(),
                 mounts: foreign.join(", "),
             }
             .into())
@@ -744,7 +753,7 @@ impl Node {
             .map(|d| d.index())
             .ok_or_else(|| {
                 StageError::DeviceLost {
-                    volume: record.volume_id.clone(),
+                    volume: record.volume_id.to_string(),
                 }
                 .into()
             })
@@ -814,6 +823,6 @@ pub(crate) fn staging_path(record: &Record) -> Result<&Path, NodeError> {
         .staging_path
         .as_deref()
         .ok_or_else(|| NodeError::StagingPathUnknown {
-            volume: record.volume_id.clone(),
+            volume: record.volume_id.to_string(),
         })
 }

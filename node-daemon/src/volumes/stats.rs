@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use crate::error::NodeError;
 use crate::ids::VolumeId;
-use crate::node::{identifier, off_runtime, Link, Node};
+use crate::node::{off_runtime, Link, Node};
 use crate::record::{Access, Record};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -78,7 +78,7 @@ impl Node {
         let Some(index) = record.device_index() else {
             return Ok((true, "no NBD device is attached for this volume".into()));
         };
-        let expected = identifier(record)?;
+        let expected = &record.identifier;
         match self.sysfs.backend(index)? {
             None => return Ok((true, format!("{index} is gone (no longer attached)"))),
             Some(found) if found != expected.as_str() => {
