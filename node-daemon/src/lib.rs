@@ -1,8 +1,11 @@
 //! `ustor-csi-node`: the host service that attaches NBD exports for kubelet.
 //!
-//! - [`service`]: the gRPC surface (CSI Identity and Node, kubelet registration).
+//! - [`service`]: the gRPC surface (CSI Identity and Node, kubelet registration);
+//!   [`service::codes`] is the one table from (RPC, error) to the gRPC code and what happens next.
 //! - [`request`]: validation at that surface.
-//! - [`node`] and [`volumes`]: the operations, journaled step by step in [`journal`].
+//! - [`node`] and [`volumes`]: the operations, journaled step by step in [`journal`];
+//!   [`volumes::lifecycle`] is the only code that changes a volume's phase.
+//! - [`error`]: what can fail, one variant per failed step.
 //! - [`recovery`]: start-up reconciliation of journal, kernel and mounts.
 //! - [`healer`]: LINK_DEAD → redial → RECONFIGURE.
 //! - [`server`]: sockets, start-up order, shutdown.
