@@ -13,6 +13,7 @@ use crate::backend::connections::ConnectionError;
 use crate::backend::local::LocalError;
 use crate::backend::ustor::credentials::CredentialsError;
 use crate::backend::ustor::error::UstorError;
+use crate::backend::ustor::login::Refusal;
 use crate::backend::BackendError;
 use crate::error::Error;
 use crate::ids::IdError;
@@ -141,7 +142,7 @@ pub fn ustor_code(e: &UstorError) -> Code {
         UstorError::Unreachable { .. } | UstorError::TokenExpiredTwice { .. } => Code::Unavailable,
         // Not the credentials' fault: retried sooner.
         UstorError::LoginRefused {
-            reason: crate::backend::ustor::login::Refusal::Unreachable,
+            reason: Refusal::Unreachable,
             ..
         } => Code::Unavailable,
         UstorError::LoginRefused { .. } => Code::Unauthenticated,

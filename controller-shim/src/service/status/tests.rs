@@ -7,7 +7,6 @@ use reqwest::Method;
 
 use super::*;
 use crate::backend::ustor::error::{ApiCall, ApiReply};
-use crate::backend::ustor::login::Refusal;
 use crate::ids::{Handle, Kind};
 
 fn handle() -> Handle {
