@@ -5,17 +5,12 @@
 
 #![allow(clippy::unwrap_used)] // a test fails by panicking
 
-use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use csi_proto::csi::volume_capability::access_mode::Mode;
-use csi_proto::csi::ProbeRequest;
-use nbd::netlink::NbdNetlink;
-use nbd::sysfs::Sysfs;
-use nbd::BackendId;
 use testkit::csi::*;
 use testkit::daemon::NodeDaemon;
-use testkit::{kernel_io_errors, pattern, DirectFile, Listen};
+use testkit::{pattern, Listen};
 use tonic::Code;
 
 mod common;
