@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use csi_proto::metrics::CallMetrics;
+use csi_common::metrics::CallMetrics;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -101,7 +101,7 @@ impl ControllerMetrics {
     }
 
     pub fn render(&self) -> String {
-        csi_proto::metrics::render(&self.registry)
+        csi_common::metrics::render(&self.registry)
     }
 }
 

@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use csi_proto::capability::{self, Shape};
+use csi_common::capability::{self, Shape};
 use csi_proto::csi::volume_capability::access_mode::Mode;
 use csi_proto::csi::{CapacityRange, VolumeCapability};
 

@@ -254,14 +254,14 @@ pub async fn serve(
     nodes: Option<Arc<dyn Nodes>>,
     stop: impl std::future::Future<Output = ()>,
 ) -> Result<(), StartError> {
-    let listener = csi_proto::socket::bind(socket).map_err(StartError::Socket)?;
+    let listener = csi_common::socket::bind(socket).map_err(StartError::Socket)?;
     let metrics = Arc::new(metrics);
     let metrics_server = metrics_listener.map(|listener| {
         let served = Arc::clone(&metrics);
         let addr = listener.local_addr().ok();
         tracing::info!(?addr, "serving metrics");
         tokio::spawn(async move {
-            if let Err(e) = csi_proto::metrics::serve(move || served.render(), listener).await {
+            if let Err(e) = csi_common::metrics::serve(move || served.render(), listener).await {
                 tracing::error!(?addr, error = %e, "metrics endpoint failed");
             }
         })

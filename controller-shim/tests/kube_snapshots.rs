@@ -43,6 +43,6 @@ async fn the_snapshot_class_exists_only_while_the_snapshot_api_is_served() {
         },
     )
     .await;
-    assert_eq!(found["driver"], csi_proto::DRIVER_NAME);
+    assert_eq!(found["driver"], csi_common::DRIVER_NAME);
     assert_eq!(found["deletionPolicy"], "Delete");
 }

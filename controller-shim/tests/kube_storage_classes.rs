@@ -45,7 +45,7 @@ async fn a_storage_class_follows_its_resource_and_keeps_what_admins_set() {
     apply(&cluster, &connection_yaml("main"));
     let created = wait_phase(&classes, "fast", Phase::Created).await;
     let sc = storage_classes.get("fast").await.unwrap();
-    assert_eq!(sc.provisioner, csi_proto::DRIVER_NAME);
+    assert_eq!(sc.provisioner, csi_common::DRIVER_NAME);
     let params = sc.parameters.clone().unwrap();
     assert_eq!(params["pool"], "data");
     assert_eq!(params["connection"], "main");
@@ -58,7 +58,7 @@ async fn a_storage_class_follows_its_resource_and_keeps_what_admins_set() {
     assert_eq!(sc.allow_volume_expansion, Some(true));
     let topology = &sc.allowed_topologies.clone().unwrap()[0];
     let requirement = &topology.match_label_expressions.clone().unwrap()[0];
-    assert_eq!(requirement.key, csi_proto::TOPOLOGY_KEY);
+    assert_eq!(requirement.key, csi_common::TOPOLOGY_KEY);
     let annotations = sc.metadata.annotations.clone().unwrap();
     assert_eq!(
         annotations["storage.deckhouse.io/volumesnapshotclass"],

@@ -188,7 +188,7 @@ async fn the_webhook_refuses_what_the_guide_forbids_over_tls_with_a_renewed_cert
     // StorageClasses of the driver: the controller's only.
     let ours = format!(
         "apiVersion: storage.k8s.io/v1\nkind: StorageClass\nmetadata:\n  name: handmade\nprovisioner: {}\n",
-        csi_proto::DRIVER_NAME
+        csi_common::DRIVER_NAME
     );
     let refused = eventually("the webhook answers", Duration::from_secs(30), || async {
         create_as(&cluster, "intruder", &ours)

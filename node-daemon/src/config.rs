@@ -6,9 +6,9 @@ use std::time::Duration;
 use serde::Deserialize;
 
 /// The driver name kubelet and the CO know this plugin by.
-pub use csi_proto::DRIVER_NAME;
+pub use csi_common::DRIVER_NAME;
 /// Topology key whose presence on a node says "this node runs the NBD data plane".
-pub use csi_proto::TOPOLOGY_KEY;
+pub use csi_common::TOPOLOGY_KEY;
 
 pub const DEFAULT_CSI_ENDPOINT: &str =
     "unix:///var/lib/kubelet/plugins/ustor-nbd.csi.mindsw.io/csi.sock";

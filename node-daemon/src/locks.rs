@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use csi_proto::locks::KeyedLocks;
+use csi_common::locks::KeyedLocks;
 use tokio::sync::OwnedMutexGuard;
 
 use crate::error::NodeError;

@@ -6,7 +6,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use csi_proto::metrics::{CallMetrics, Labels};
+use csi_common::metrics::{CallMetrics, Labels};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -91,7 +91,7 @@ impl Metrics {
     }
 
     pub fn render(&self) -> String {
-        csi_proto::metrics::render(&self.registry)
+        csi_common::metrics::render(&self.registry)
     }
 }
 
@@ -99,7 +99,7 @@ impl Metrics {
 pub async fn serve(metrics: Arc<Metrics>, addr: SocketAddr) -> anyhow::Result<()> {
     tracing::info!(%addr, "serving metrics");
     let listener = tokio::net::TcpListener::bind(addr).await?;
-    csi_proto::metrics::serve(move || metrics.render(), listener).await?;
+    csi_common::metrics::serve(move || metrics.render(), listener).await?;
     Ok(())
 }
 

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use csi_proto::capability::Shape;
+use csi_common::capability::Shape;
 use csi_proto::csi::volume_capability::access_mode::Mode;
 use csi_proto::csi::VolumeCapability;
 use mounts::{Filesystem, MountOptions};
@@ -21,7 +21,7 @@ pub enum RequestError {
     VolumeIdTooLong { len: usize, max: usize },
     #[error("volume_id contains control characters")]
     VolumeIdControl,
-    /// The shared capability rules (`csi_proto::capability`) refused it.
+    /// The shared capability rules (`csi_common::capability`) refused it.
     #[error("{0}")]
     Capability(String),
     #[error("volume_mount_group is not supported by this driver")]
@@ -92,7 +92,7 @@ pub fn capability(cap: Option<&VolumeCapability>) -> Result<Capability, RequestE
     let cap = cap.ok_or(RequestError::Missing {
         field: "volume_capability",
     })?;
-    let (mode, shape) = csi_proto::capability::check(cap).map_err(RequestError::Capability)?;
+    let (mode, shape) = csi_common::capability::check(cap).map_err(RequestError::Capability)?;
     let mode = match mode {
         Mode::SingleNodeWriter => AccessMode::SingleNodeWriter,
         Mode::SingleNodeReaderOnly => AccessMode::SingleNodeReaderOnly,

@@ -42,7 +42,7 @@ pub async fn run(settings: Settings) -> Result<()> {
     let node = Arc::new(Node::new(settings.clone(), journal, nl, Sysfs::default()));
     let (stop_tx, stop_rx) = watch::channel(false);
 
-    let csi = csi_proto::socket::bind(&settings.csi_socket)?;
+    let csi = csi_common::socket::bind(&settings.csi_socket)?;
     let csi_server = tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(IdentityServer::new(IdentityService::new(Arc::clone(&node))))
@@ -92,7 +92,7 @@ pub async fn run(settings: Settings) -> Result<()> {
     let registration = match &settings.registration_dir {
         Some(dir) => {
             let path = dir.join(RegistrationService::socket_name());
-            let listener = csi_proto::socket::bind(&path)?;
+            let listener = csi_common::socket::bind(&path)?;
             sockets.push(path);
             Some(tokio::spawn(
                 tonic::transport::Server::builder()

@@ -1,6 +1,6 @@
 //! gRPC types and services generated from `proto/`: the CSI spec (package `csi.v1`) and
-//! kubelet's plugin registration API; and [`capability`], the driver's access-mode rules over
-//! those types, shared by node and controller.
+//! kubelet's plugin registration API. Nothing here is written by hand: what node and
+//! controller share beside these types lives in `csi-common`.
 
 /// CSI v1.12: Identity, Controller and Node (the parts this driver serves).
 #[allow(clippy::all, missing_docs, missing_debug_implementations)]
@@ -13,15 +13,3 @@ pub mod csi {
 pub mod registration {
     tonic::include_proto!("pluginregistration");
 }
-
-pub mod capability;
-pub mod locks;
-pub mod metrics;
-pub mod socket;
-
-/// The CSI driver name, as CSIDriver objects, StorageClasses and PVs spell it; one definition
-/// for node and controller.
-pub const DRIVER_NAME: &str = "ustor-nbd.csi.mindsw.io";
-
-/// The topology segment of nodes whose node service runs (the data plane).
-pub const TOPOLOGY_KEY: &str = "topology.ustor-nbd.csi.mindsw.io/data-plane";

@@ -12,7 +12,7 @@ use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Api, Client};
 
 use crate::provision::Nodes;
-use csi_proto::DRIVER_NAME;
+use csi_common::DRIVER_NAME;
 
 #[derive(Debug, Clone)]
 pub struct CsiNodes {

@@ -8,7 +8,7 @@ use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
 use kube::Api;
 
 use super::{Context, GlueError, SNAPSHOT_CLASS};
-use csi_proto::DRIVER_NAME;
+use csi_common::DRIVER_NAME;
 
 const GROUP_VERSION: &str = "snapshot.storage.k8s.io/v1";
 

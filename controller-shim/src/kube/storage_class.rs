@@ -17,7 +17,7 @@ use kube::{Api, Resource, ResourceExt};
 
 use super::crd::{MindUstorStorageClass, MindUstorStorageConnection, Phase, StorageClassStatus};
 use super::{Context, GlueError, SNAPSHOT_CLASS};
-use csi_proto::{DRIVER_NAME, TOPOLOGY_KEY};
+use csi_common::{DRIVER_NAME, TOPOLOGY_KEY};
 
 /// Annotations every StorageClass of ours carries; a value an admin already set is kept.
 pub const ANNOTATIONS: [(&str, &str); 3] = [

@@ -14,9 +14,9 @@ pub mod volumes;
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use csi_common::locks::KeyedLocks;
 use csi_proto::csi::volume_content_source::{SnapshotSource, Type as SourceType, VolumeSource};
 use csi_proto::csi::{Snapshot, Topology, Volume, VolumeContentSource};
-use csi_proto::locks::KeyedLocks;
 
 use crate::backend::{Backend, BackendError, SnapshotMeta, Source, VolumeMeta};
 use crate::ids::{Handle, IdError, Kind};
@@ -25,7 +25,7 @@ pub use snapshots::SnapshotError;
 pub use volumes::VolumeError;
 
 /// Topology segment every node running the node service reports.
-pub use csi_proto::TOPOLOGY_KEY;
+pub use csi_common::TOPOLOGY_KEY;
 
 #[derive(Debug)]
 pub struct Provisioner {

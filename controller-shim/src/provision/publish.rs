@@ -2,7 +2,7 @@
 //! is recorded with the volume (nothing is attached here: the node daemon attaches), so the
 //! access mode's one-node rule holds across nodes.
 
-use csi_proto::capability;
+use csi_common::capability;
 use csi_proto::csi::*;
 
 use super::{volume_lock, Provisioner, VolumeError};

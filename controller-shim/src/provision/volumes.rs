@@ -32,7 +32,7 @@ pub enum VolumeError {
     SingleNode { volume: Handle, nodes: Vec<String> },
     #[error(
         "node {node:?} has no CSINode entry for {}: is ustor-csi-node running there?",
-        csi_proto::DRIVER_NAME
+        csi_common::DRIVER_NAME
     )]
     NodeUnknown { node: String },
     #[error("the list of nodes is still loading from the Kubernetes API; retry")]

@@ -7,7 +7,7 @@ use csi_proto::csi::plugin_capability::{Service, Type as CapType};
 use csi_proto::csi::*;
 use tonic::{Request, Response, Status};
 
-pub use csi_proto::DRIVER_NAME;
+pub use csi_common::DRIVER_NAME;
 
 #[derive(Debug, Default)]
 pub struct IdentityService;

@@ -219,8 +219,8 @@ pub fn register_node(cluster: &KubeCluster, name: &str) {
         &format!(
             "apiVersion: storage.k8s.io/v1\nkind: CSINode\nmetadata:\n  name: {name}\nspec:\n  drivers:\n\
              \x20 - name: {}\n    nodeID: {name}\n    topologyKeys: [\"{}\"]\n",
-            csi_proto::DRIVER_NAME,
-            csi_proto::TOPOLOGY_KEY
+            csi_common::DRIVER_NAME,
+            csi_common::TOPOLOGY_KEY
         ),
     );
 }

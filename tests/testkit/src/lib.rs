@@ -12,6 +12,7 @@ pub mod kube_cluster;
 pub mod nbd_client;
 pub mod placement;
 pub mod proxy;
+pub mod sanity;
 mod server;
 pub mod tls;
 pub mod tls_proxy;

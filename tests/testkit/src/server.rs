@@ -182,4 +182,3 @@ impl Drop for NbdServer {
         self.kill();
     }
 }
-

@@ -164,7 +164,7 @@ async fn decide(shared: &Shared, request: &AdmissionRequest<DynamicObject>) -> R
 async fn ours(client: &Client, name: &str) -> bool {
     let classes: Api<StorageClass> = Api::all(client.clone());
     match classes.get_opt(name).await {
-        Ok(class) => class.is_some_and(|c| c.provisioner == csi_proto::DRIVER_NAME),
+        Ok(class) => class.is_some_and(|c| c.provisioner == csi_common::DRIVER_NAME),
         Err(e) => {
             tracing::warn!(class = name, error = %e, "admission: StorageClass lookup failed; allowing");
             false

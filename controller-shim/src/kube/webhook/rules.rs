@@ -1,9 +1,9 @@
 //! What the admission webhook allows, as pure functions over the objects. PVC access modes
 //! are mapped to CSI modes as external-provisioner maps them and checked with the same rules
-//! the controller and the node apply (`csi_proto::capability`), so a claim is refused at
+//! the controller and the node apply (`csi_common::capability`), so a claim is refused at
 //! `kubectl apply` for exactly the reasons CreateVolume would refuse it later.
 
-use csi_proto::capability;
+use csi_common::capability;
 use csi_proto::csi::volume_capability::access_mode::Mode;
 use csi_proto::csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume};
 use csi_proto::csi::VolumeCapability;
@@ -11,7 +11,7 @@ use k8s_openapi::api::core::v1::PersistentVolumeClaim;
 use k8s_openapi::api::storage::v1::StorageClass;
 
 use crate::kube::crd::{MindUstorStorageClass, MindUstorStorageConnection};
-use csi_proto::DRIVER_NAME;
+use csi_common::DRIVER_NAME;
 
 /// The CSI mode external-provisioner asks for a Kubernetes access mode.
 fn csi_mode(access_mode: &str) -> Option<Mode> {

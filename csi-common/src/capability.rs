@@ -5,9 +5,9 @@
 //! live migration, as the guide says: ReadWriteOnce would let several pods of a node write one
 //! raw disk unawares, and ReadOnlyMany is not offered.
 
-use crate::csi::volume_capability::access_mode::Mode;
-use crate::csi::volume_capability::{AccessType, MountVolume};
-use crate::csi::VolumeCapability;
+use csi_proto::csi::volume_capability::access_mode::Mode;
+use csi_proto::csi::volume_capability::{AccessType, MountVolume};
+use csi_proto::csi::VolumeCapability;
 
 /// How the volume is accessed, once the rules allow it.
 #[derive(Debug, Clone, Copy)]
@@ -61,7 +61,7 @@ pub fn check(cap: &VolumeCapability) -> Result<(Mode, Shape<'_>), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::csi::volume_capability::{AccessMode, BlockVolume};
+    use csi_proto::csi::volume_capability::{AccessMode, BlockVolume};
 
     fn block(mode: Mode) -> VolumeCapability {
         VolumeCapability {
