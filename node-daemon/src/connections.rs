@@ -136,13 +136,13 @@ pub async fn offer_new_connections(
         .into());
     }
     // Proven again under the link lock: the device may have been detached while we dialed.
-    let device = node.sysfs.prove(device.index(), device.identifier())?;
+    let device = node.kernel.prove(device.index(), device.identifier())?;
     let fresh = tcp_pairs(&dialed.sockets);
     let known = node.connections_of(volume);
     if !fresh.is_empty() {
         node.set_tcp(volume, &record.identifier, union(&known, &fresh))?;
     }
-    let offered = nbd::attach::reconnect_dialed(&node.nl, &device, &dialed).await;
+    let offered = node.kernel.reconnect(&device, &dialed).await;
     // Unix sockets the kernel took are kept; every other copy is closed here.
     node.held
         .offered(volume, record.identifier.as_str(), dialed.sockets);

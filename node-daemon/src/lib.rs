@@ -6,6 +6,8 @@
 //! - [`node`] and [`volumes`]: the operations, journaled step by step in [`journal`];
 //!   [`volumes::lifecycle`] is the only code that changes a volume's phase.
 //! - [`error`]: what can fail, one variant per failed step.
+//! - [`kernel`]: the host (sysfs, netlink, mount table, tools) behind the traits the
+//!   decisions are unit-tested through.
 //! - [`recovery`]: start-up reconciliation of journal, kernel and mounts.
 //! - [`healer`]: LINK_DEAD → redial → RECONFIGURE.
 //! - [`server`]: sockets, start-up order, shutdown.
@@ -19,6 +21,7 @@ pub mod healer;
 pub mod held;
 pub mod ids;
 pub mod journal;
+pub mod kernel;
 pub mod locks;
 pub mod metrics;
 pub mod node;

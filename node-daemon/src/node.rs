@@ -10,14 +10,14 @@ use std::time::{Duration, Instant};
 
 use nbd::attach::AttachOptions;
 use nbd::dial::DialOptions;
-use nbd::netlink::NbdNetlink;
-use nbd::sysfs::{ProvenDevice, Sysfs};
+use nbd::sysfs::ProvenDevice;
 use nbd::{BackendId, DeviceIndex, NbdUri};
 
 use crate::config::Settings;
 use crate::error::NodeError;
 use crate::held::HeldSockets;
 use crate::journal::Journal;
+use crate::kernel::{Host, Kernel, Mounts, Tools};
 use crate::locks::VolumeLocks;
 use crate::metrics::Metrics;
 use crate::record::{Export, Record, TcpConnection};
@@ -36,8 +36,12 @@ pub struct Node {
     pub settings: Settings,
     pub metrics: Arc<Metrics>,
     pub(crate) journal: Journal,
-    pub(crate) nl: NbdNetlink,
-    pub(crate) sysfs: Sysfs,
+    /// Sysfs facts and netlink verbs.
+    pub(crate) kernel: Arc<dyn Kernel>,
+    /// The mount table and the staging mount syscalls.
+    pub(crate) mounts: Arc<dyn Mounts>,
+    /// probe, mkfs, grow, flush, freeze: blocking, so only through [`off_runtime`].
+    pub(crate) tools: Arc<dyn Tools>,
     records: Mutex<BTreeMap<String, Record>>,
     /// One CSI operation (or recovery step) per volume at a time. Held across device I/O, so
     /// healing never takes it.
@@ -69,13 +73,15 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Node {
-    pub fn new(settings: Settings, journal: Journal, nl: NbdNetlink, sysfs: Sysfs) -> Self {
+    /// A node on `host`: [`Host::real`] in the daemon, fakes in the unit tests.
+    pub fn new(settings: Settings, journal: Journal, host: Host) -> Self {
         Self {
             settings,
             metrics: Arc::default(),
             journal,
-            nl,
-            sysfs,
+            kernel: host.kernel,
+            mounts: host.mounts,
+            tools: host.tools,
             records: Mutex::default(),
             locks: VolumeLocks::default(),
             link_locks: VolumeLocks::default(),
@@ -160,14 +166,14 @@ impl Node {
     /// Gives idle nbd devices (no backend identifier) the `none` scheduler ahead of use, so
     /// the queue freeze a switch costs is not paid inside an attach.
     pub(crate) fn prepare_idle_devices(&self) {
-        let Ok(devices) = self.sysfs.devices() else {
+        let Ok(devices) = self.kernel.devices() else {
             return;
         };
         for index in devices {
-            if matches!(self.sysfs.backend(index), Ok(None))
-                && self.sysfs.scheduler(index).is_ok_and(|s| s != "none")
+            if matches!(self.kernel.backend(index), Ok(None))
+                && self.kernel.scheduler(index).is_ok_and(|s| s != "none")
             {
-                if let Err(e) = self.sysfs.set_scheduler(index, "none") {
+                if let Err(e) = self.kernel.set_scheduler(index, "none") {
                     tracing::debug!(device = %index, error = %e, "could not preset the none scheduler");
                 }
             }
@@ -259,13 +265,15 @@ impl Node {
         let result = async {
             let _link = self.link_locks.lock(volume).await;
             lock(&self.detaching).insert(volume.to_owned());
-            let device = self.sysfs.prove(device.index(), device.identifier())?;
-            self.nl.disconnect(&device).await?;
+            let device = self.kernel.prove(device.index(), device.identifier())?;
+            self.kernel.disconnect(&device).await?;
             Ok::<_, NodeError>(device.index())
         }
         .await;
         let result = match result {
-            Ok(index) => nbd::attach::wait_released(&self.sysfs, index, RELEASE_TIMEOUT)
+            Ok(index) => self
+                .kernel
+                .wait_released(index, RELEASE_TIMEOUT)
                 .await
                 .map_err(NodeError::from),
             Err(e) => Err(e),
@@ -279,11 +287,11 @@ impl Node {
     /// link ("Double reply"). Returns the scheduler found, if it was not `none`.
     pub(crate) fn keep_scheduler(&self, record: &Record) -> Option<String> {
         let device = self.proven_device(record).ok().flatten()?;
-        let found = self.sysfs.scheduler(device.index()).ok()?;
+        let found = self.kernel.scheduler(device.index()).ok()?;
         if found == "none" {
             return None;
         }
-        match self.sysfs.set_scheduler(device.index(), "none") {
+        match self.kernel.set_scheduler(device.index(), "none") {
             Ok(()) => {
                 tracing::warn!(volume = %record.volume_id, device = %device.index(), %found, "I/O scheduler was changed; set back to none")
             }
@@ -333,11 +341,11 @@ impl Node {
     pub(crate) fn proven_device(&self, record: &Record) -> Result<Option<ProvenDevice>, NodeError> {
         let id = &record.identifier;
         if let Some(index) = record.device_index() {
-            if let Ok(proven) = self.sysfs.prove(index, id) {
+            if let Ok(proven) = self.kernel.prove(index, id) {
                 return Ok(Some(proven));
             }
         }
-        Ok(self.sysfs.find(id)?)
+        Ok(self.kernel.find(id)?)
     }
 }
 
@@ -383,12 +391,6 @@ pub(crate) fn device_numbers(path: &Path) -> Option<(u32, u32)> {
         nix::sys::stat::major(rdev) as u32,
         nix::sys::stat::minor(rdev) as u32,
     ))
-}
-
-/// Flushes what the page cache holds for a raw block device down to the export. Blocks
-/// while the link is down: call it through [`off_runtime`].
-pub(crate) fn flush_device(path: &Path) -> Result<(), NodeError> {
-    Ok(crate::blockdev::flush(path)?)
 }
 
 /// A short pause for kernel state that settles asynchronously.

@@ -13,12 +13,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use mounts::MountTable;
 use serde::Serialize;
 
 use crate::error::NodeError;
 use crate::ids::{Identifier, VolumeId};
-use crate::node::{device_numbers, off_runtime, Node};
+use crate::node::{off_runtime, Node};
 use crate::record::{Access, Phase, Record, Target, TargetPhase};
 use crate::volumes::publish::release_target;
 
@@ -225,9 +224,9 @@ async fn recover_staged(
 /// lost): rebuilt from what the kernel and the mount table say, so they can be unstaged and
 /// healed. The export is learned at the next call that carries it.
 fn rebuild_lost(node: &Node, report: &mut Report) -> Result<(), NodeError> {
-    let table = MountTable::read()?;
-    for index in node.sysfs.devices()? {
-        let Some(backend) = node.sysfs.backend(index)? else {
+    let table = node.mounts.table()?;
+    for index in node.kernel.devices()? {
+        let Some(backend) = node.kernel.backend(index)? else {
             continue;
         };
         let Some(id) = Identifier::parse(&backend) else {
@@ -250,8 +249,9 @@ fn rebuild_lost(node: &Node, report: &mut Report) -> Result<(), NodeError> {
             }
             continue;
         }
-        let dev = node.sysfs.dev_path(index);
-        let mut fs_mounts: Vec<_> = device_numbers(&dev)
+        let mut fs_mounts: Vec<_> = node
+            .kernel
+            .device_numbers(index)
             .map(|(major, minor)| table.of_device(major, minor).collect())
             .unwrap_or_default();
         fs_mounts.sort_by_key(|m| m.id);
@@ -305,7 +305,7 @@ fn rebuild_lost(node: &Node, report: &mut Report) -> Result<(), NodeError> {
             staging_path,
             access,
             targets,
-            node.sysfs.size_bytes(index).ok(),
+            node.kernel.size_bytes(index).ok(),
         );
         node.save(&record)?;
         tracing::warn!(%volume, device = %index, "journal record rebuilt from kernel facts");

@@ -23,6 +23,7 @@ use crate::config::Settings;
 use crate::healer::Healer;
 use crate::held;
 use crate::journal::Journal;
+use crate::kernel::Host;
 use crate::node::Node;
 use crate::recovery;
 use crate::service::identity::IdentityService;
@@ -39,7 +40,11 @@ pub async fn run(settings: Settings) -> Result<()> {
         .await
         .context("subscribing to LINK_DEAD")?;
     let journal = Journal::open(&settings.state_dir)?;
-    let node = Arc::new(Node::new(settings.clone(), journal, nl, Sysfs::default()));
+    let node = Arc::new(Node::new(
+        settings.clone(),
+        journal,
+        Host::real(nl, Sysfs::default()),
+    ));
     let (stop_tx, stop_rx) = watch::channel(false);
 
     let csi = csi_common::socket::bind(&settings.csi_socket)?;

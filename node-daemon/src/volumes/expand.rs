@@ -11,10 +11,10 @@
 //! was and never claims space whose I/O fails.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use mounts::Filesystem;
-use nbd::netlink::ReconfigureRequest;
 use nbd::sysfs::ProvenDevice;
 
 use crate::connections;
@@ -112,7 +112,7 @@ impl Node {
             .ok_or_else(|| NodeError::DeviceGone {
                 volume: record.volume_id.to_string(),
             })?;
-        let current = self.sysfs.size_bytes(device.index())?;
+        let current = self.kernel.size_bytes(device.index())?;
         refuse_shrink(&record.volume_id, current, info.size)?;
         self.advance(
             &mut record,
@@ -135,8 +135,8 @@ impl Node {
                 volume: record.volume_id.to_string(),
             })?;
         let index = device.index();
-        let dev = self.sysfs.dev_path(index);
-        let current = self.sysfs.size_bytes(index)?;
+        let dev = self.kernel.dev_path(index);
+        let current = self.kernel.size_bytes(index)?;
         if let Err(e) = refuse_shrink(&record.volume_id, current, to_bytes) {
             self.end_expansion(&mut record, current)?;
             return Err(e);
@@ -150,9 +150,9 @@ impl Node {
             }
             self.resize(&record.volume_id, &device, to_bytes).await?;
         }
-        let dev_probe = dev.clone();
+        let (dev_probe, tools) = (dev.clone(), Arc::clone(&self.tools));
         let served = off_runtime("read the new end", move || {
-            Ok(connections::serves_size(&dev_probe, to_bytes))
+            Ok(tools.serves_size(&dev_probe, to_bytes))
         })
         .await?;
         if !served {
@@ -176,10 +176,8 @@ impl Node {
         if let Access::Mount { fs, .. } = &record.access {
             let fs: Filesystem = fs.parse()?;
             let staging = staging_path(&record)?.to_owned();
-            off_runtime("grow", move || {
-                Ok(mounts::format::grow(fs, &dev, &staging)?)
-            })
-            .await?;
+            let tools = Arc::clone(&self.tools);
+            off_runtime("grow", move || Ok(tools.grow(fs, &dev, &staging)?)).await?;
         }
         fail::fail_point!("expand-after-grow");
         tracing::info!(volume = %record.volume_id, device = %index, bytes = to_bytes, "expanded");
@@ -200,22 +198,14 @@ impl Node {
         bytes: u64,
     ) -> Result<(), NodeError> {
         let index = device.index();
-        if self.sysfs.size_bytes(index)? == bytes {
+        if self.kernel.size_bytes(index)? == bytes {
             return Ok(());
         }
         {
             let _link = self.link_locks.lock(volume).await;
-            self.nl
-                .reconfigure(&ReconfigureRequest {
-                    index,
-                    identifier: device.identifier(),
-                    sockets: &[],
-                    size_bytes: Some(bytes),
-                    dead_conn_timeout: None,
-                })
-                .await?;
+            self.kernel.resize(device, bytes).await?;
         }
-        self.sysfs
+        self.kernel
             .wait_ready(index, bytes, Duration::from_secs(10))
             .await?;
         Ok(())
@@ -233,13 +223,15 @@ impl Node {
     ) -> Result<(), NodeError> {
         let staging = self.our_staging_mount(record)?;
         if let Some(dir) = staging.clone() {
-            off_runtime("freeze", move || Ok(crate::blockdev::freeze(&dir)?)).await?;
+            let tools = Arc::clone(&self.tools);
+            off_runtime("freeze", move || Ok(tools.freeze(&dir)?)).await?;
             fail::fail_point!("expand-while-frozen");
             crate::failpoints::pause("expand-while-frozen").await;
         }
         let replaced = self.replace_connections(record, device, current).await;
         if let Some(dir) = staging {
-            off_runtime("thaw", move || Ok(crate::blockdev::thaw(&dir)?)).await?;
+            let tools = Arc::clone(&self.tools);
+            off_runtime("thaw", move || Ok(tools.thaw(&dir)?)).await?;
         }
         replaced
     }
@@ -253,15 +245,17 @@ impl Node {
         let Some(device) = self.proven_device(record)? else {
             return Ok(None);
         };
-        let dev = self.sysfs.dev_path(device.index());
-        Ok(self.mounted_from(&dev, staging)?.then(|| staging.clone()))
+        Ok(self
+            .mounted_from(device.index(), staging)?
+            .then(|| staging.clone()))
     }
 
     /// An expansion interrupted between freeze and thaw left its filesystem frozen: thawed
     /// before the expansion is finished (a no-op when it is not frozen).
     async fn thaw_staging(&self, record: &Record) -> Result<(), NodeError> {
         if let Some(dir) = self.our_staging_mount(record)? {
-            off_runtime("thaw", move || Ok(crate::blockdev::thaw(&dir)?)).await?;
+            let tools = Arc::clone(&self.tools);
+            off_runtime("thaw", move || Ok(tools.thaw(&dir)?)).await?;
         }
         Ok(())
     }
@@ -285,7 +279,7 @@ impl Node {
             (connections::abort_all(&old)?, Vec::new())
         };
         tracing::info!(volume = %record.volume_id, aborted, "replacing connections so the server serves the new size");
-        let dev = self.sysfs.dev_path(device.index());
+        let dev = self.kernel.dev_path(device.index());
         let until = connections::deadline();
         loop {
             // The kernel notices the aborts asynchronously; sockets offered before a slot is
@@ -303,8 +297,8 @@ impl Node {
             let new_live =
                 !live.is_empty() || self.held.holds_other_than(&record.volume_id, &old_held);
             if old_gone && new_live {
-                let dev = dev.clone();
-                if off_runtime("read", move || Ok(connections::serves_size(&dev, current))).await? {
+                let (dev, tools) = (dev.clone(), Arc::clone(&self.tools));
+                if off_runtime("read", move || Ok(tools.serves_size(&dev, current))).await? {
                     return Ok(());
                 }
             }

@@ -3,11 +3,9 @@
 
 use std::path::{Path, PathBuf};
 
-use mounts::MountTable;
-
 use crate::error::NodeError;
 use crate::ids::{Identifier, VolumeId};
-use crate::node::{device_numbers, off_runtime, Node};
+use crate::node::{off_runtime, Node};
 use crate::record::{Access, Export, Phase, Record};
 use crate::request::Capability;
 use crate::volumes::stage::staging_path;
@@ -159,7 +157,7 @@ impl Node {
             .ok_or_else(|| NodeError::DeviceGone {
                 volume: record.volume_id.to_string(),
             })?;
-        let dev = self.sysfs.dev_path(device.index());
+        let dev = self.kernel.dev_path(device.index());
         if self.mount_staging(record, device.index()).await? {
             tracing::warn!(volume = %record.volume_id, "staging mount was gone; mounted it again before publishing");
         }
@@ -171,16 +169,20 @@ impl Node {
             })
             .await?;
         }
-        let table = MountTable::read()?;
+        let table = self.mounts.table()?;
         let already = match &record.access {
             Access::Block => table
                 .of_device_node(&device.index().name())
                 .any(|m| m.mount_point == target),
-            Access::Mount { .. } => device_numbers(&dev).is_some_and(|(major, minor)| {
-                table
-                    .at(target)
-                    .any(|m| m.major == major && m.minor == minor)
-            }),
+            Access::Mount { .. } => {
+                self.kernel
+                    .device_numbers(device.index())
+                    .is_some_and(|(major, minor)| {
+                        table
+                            .at(target)
+                            .any(|m| m.major == major && m.minor == minor)
+                    })
+            }
         };
         if already {
             return Ok(());
@@ -246,7 +248,7 @@ impl Node {
         if record.access.is_block() && !record.mode.read_only() && record.targets.is_empty() {
             // The last pod is gone: the next publish decides read-only afresh.
             if let Some(device) = self.proven_device(&record)? {
-                let dev = self.sysfs.dev_path(device.index());
+                let dev = self.kernel.dev_path(device.index());
                 off_runtime("set read-write", move || {
                     Ok(crate::blockdev::set_read_only(&dev, false)?)
                 })
@@ -259,7 +261,7 @@ impl Node {
     /// NodeUnpublish of a target the journal does not know: success (the call is idempotent),
     /// after removing a mount there only if it is provably this volume's device.
     async fn unpublish_unknown(&self, volume: &VolumeId, target: &Path) -> Result<(), NodeError> {
-        let table = MountTable::read()?;
+        let table = self.mounts.table()?;
         let Some(mount) = table.at(target).last() else {
             return Ok(());
         };
@@ -269,12 +271,13 @@ impl Node {
                 .to_str()
                 .and_then(|r| r.trim_start_matches('/').parse::<nbd::DeviceIndex>().ok())
         } else {
-            self.sysfs.devices()?.into_iter().find(|i| {
-                device_numbers(&self.sysfs.dev_path(*i)) == Some((mount.major, mount.minor))
-            })
+            self.kernel
+                .devices()?
+                .into_iter()
+                .find(|i| self.kernel.device_numbers(*i) == Some((mount.major, mount.minor)))
         };
         let ours = index
-            .and_then(|i| self.sysfs.backend(i).ok().flatten())
+            .and_then(|i| self.kernel.backend(i).ok().flatten())
             .and_then(|b| Identifier::parse(&b))
             .is_some_and(|id| {
                 id.node == self.settings.node_id && id.volume.as_deref() == Some(volume.as_str())

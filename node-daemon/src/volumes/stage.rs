@@ -10,16 +10,16 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-use mounts::{Filesystem, MountOptions, MountTable, Probe};
-use nbd::attach;
+use mounts::{Filesystem, MountOptions, Probe};
 use nbd::sysfs::ProvenDevice;
 use nbd::DeviceIndex;
 
 use crate::connections::tcp_pairs;
 use crate::error::NodeError;
 use crate::ids::{random_uuid, Identifier, VolumeId};
-use crate::node::{device_numbers, export_uri, flush_device, off_runtime, Node};
+use crate::node::{export_uri, off_runtime, Node};
 use crate::record::{Access, Export, Phase, Record, Target, TargetPhase};
 use crate::request::Capability;
 use crate::service::codes::{answer, Rpc, Then};
@@ -196,7 +196,7 @@ impl Node {
         let Some(record) = self.record(volume) else {
             return Ok(());
         };
-        if record.phase() == Phase::Attaching && self.sysfs.find(&record.identifier)?.is_none() {
+        if record.phase() == Phase::Attaching && self.kernel.find(&record.identifier)?.is_none() {
             self.forget(volume)?;
         }
         Ok(())
@@ -302,7 +302,7 @@ impl Node {
         capability: &Capability,
     ) -> Result<(), NodeError> {
         if let Some(guess) = record.staging_path.take() {
-            if guess != staging_path && is_mount_point(&guess)? {
+            if guess != staging_path && self.is_mount_point(&guess)? {
                 record
                     .targets
                     .entry(guess)
@@ -392,12 +392,12 @@ impl Node {
         &self,
         record: &mut Record,
     ) -> Result<Option<DeviceIndex>, NodeError> {
-        let Some(found) = self.sysfs.find(&record.identifier)? else {
+        let Some(found) = self.kernel.find(&record.identifier)? else {
             return Ok(None);
         };
         tracing::info!(volume = %record.volume_id, device = %found.index(), "found the device of an interrupted attach");
         record.device = Some(found.index());
-        record.size_bytes = Some(self.sysfs.size_bytes(found.index())?);
+        record.size_bytes = Some(self.kernel.size_bytes(found.index())?);
         Ok(Some(found.index()))
     }
 
@@ -435,7 +435,7 @@ impl Node {
                 let uri = export_uri(&export)?;
                 let mut opts = self.attach_options(record.identifier.clone(), &export)?;
                 opts.read_only = record.mode.read_only();
-                let dialed = nbd::dial::dial(&uri, &opts.dial).await?;
+                let dialed = self.kernel.dial(&uri, &opts.dial).await?;
                 check_export_size(&record.volume_id, dialed.info.size)?;
                 // Written ahead: the record, and the connections' addresses (what lets a later
                 // daemon replace them), are journaled before the kernel gets the sockets.
@@ -443,7 +443,9 @@ impl Node {
                 self.save_with_connections(record)?;
                 fail::fail_point!("stage-before-connect");
                 crate::failpoints::pause("stage-before-connect").await;
-                let attached = attach::attach_dialed(&self.nl, &self.sysfs, dialed, &opts)
+                let attached = self
+                    .kernel
+                    .attach(dialed, &opts)
                     .await
                     .map_err(no_free_device)?;
                 record.tls = attached.info.tls.map(|t| t.to_string());
@@ -478,11 +480,9 @@ impl Node {
         let Access::Mount { fs, .. } = &record.access else {
             return Ok(Phase::Staged);
         };
-        let dev = self.sysfs.dev_path(self.require_device(record)?);
-        let probed = off_runtime("probe", move || {
-            crate::blockdev::drop_cache(&dev)?;
-            Ok(mounts::format::probe(&dev)?)
-        });
+        let dev = self.kernel.dev_path(self.require_device(record)?);
+        let tools = Arc::clone(&self.tools);
+        let probed = off_runtime("probe", move || tools.probe(&dev));
         match probed.await? {
             Probe::Blank if record.mode.read_only() => Err(StageError::ReadOnlyBlank {
                 volume: record.volume_id.to_string(),
@@ -515,20 +515,17 @@ impl Node {
             // A record journaled before UUIDs were: probe again, and format a blank device.
             return Ok(Phase::Attached);
         };
-        let dev = self.sysfs.dev_path(self.require_device(record)?);
+        let dev = self.kernel.dev_path(self.require_device(record)?);
         let volume = record.volume_id.to_string();
         fail::fail_point!("stage-before-mkfs");
-        off_runtime("mkfs", move || {
-            crate::blockdev::drop_cache(&dev)?;
-            match mounts::format::probe(&dev)? {
-                Probe::Blank => Ok(mounts::format::make_filesystem(&dev, fs, &uuid)?),
-                Probe::Filesystem(found) if found == fs.name() => {
-                    mounts::format::redo_interrupted_format(&dev, fs, &uuid)
-                        .map_err(|source| StageError::FormatAgain { volume, source }.into())
-                }
-                Probe::Filesystem(found) | Probe::Other(found) => {
-                    Err(StageError::FilesystemAppeared { volume, found }.into())
-                }
+        let tools = Arc::clone(&self.tools);
+        off_runtime("mkfs", move || match tools.probe(&dev)? {
+            Probe::Blank => Ok(tools.make_filesystem(&dev, fs, &uuid)?),
+            Probe::Filesystem(found) if found == fs.name() => tools
+                .redo_interrupted_format(&dev, fs, &uuid)
+                .map_err(|source| StageError::FormatAgain { volume, source }.into()),
+            Probe::Filesystem(found) | Probe::Other(found) => {
+                Err(StageError::FilesystemAppeared { volume, found }.into())
             }
         })
         .await?;
@@ -547,12 +544,10 @@ impl Node {
         self.mount_staging(record, device).await?;
         fail::fail_point!("stage-after-mount");
         if !record.mode.read_only() {
-            let dev = self.sysfs.dev_path(device);
+            let dev = self.kernel.dev_path(device);
             let staging = staging_path(record)?.to_owned();
-            off_runtime("grow", move || {
-                Ok(mounts::format::grow(fs, &dev, &staging)?)
-            })
-            .await?;
+            let tools = Arc::clone(&self.tools);
+            off_runtime("grow", move || Ok(tools.grow(fs, &dev, &staging)?)).await?;
         }
         Ok(Phase::Staged)
     }
@@ -567,12 +562,12 @@ impl Node {
         let Access::Mount { fs, flags } = &record.access else {
             return Ok(false);
         };
-        let dev = self.sysfs.dev_path(device);
+        let dev = self.kernel.dev_path(device);
         let staging = staging_path(record)?.to_owned();
-        if self.mounted_from(&dev, &staging)? {
+        if self.mounted_from(device, &staging)? {
             return Ok(false);
         }
-        if MountTable::read()?.is_mount_point(&staging) {
+        if self.mounts.table()?.is_mount_point(&staging) {
             return Err(StageError::StagingPathTaken { path: staging }.into());
         }
         let fs: Filesystem = fs.parse()?;
@@ -585,17 +580,13 @@ impl Node {
             // one UUID unless told not to check.
             opts.data.push("nouuid".into());
         }
+        let host = Arc::clone(&self.mounts);
         off_runtime("mount", move || {
             std::fs::create_dir_all(&staging).map_err(|source| StageError::CreateStagingDir {
                 path: staging.clone(),
                 source,
             })?;
-            Ok(mounts::ops::mount_filesystem(
-                &dev,
-                &staging,
-                fs.name(),
-                &opts,
-            )?)
+            Ok(host.mount_filesystem(&dev, &staging, fs.name(), &opts)?)
         })
         .await?;
         Ok(true)
@@ -610,12 +601,11 @@ impl Node {
             return Ok(Some(Phase::Attaching));
         };
         self.follow_device_index(record, &device)?;
-        if matches!(record.access, Access::Mount { .. }) {
-            let dev = self.sysfs.dev_path(device.index());
-            if !self.mounted_from(&dev, staging_path(record)?)? {
-                tracing::warn!(volume = %record.volume_id, "staging mount is gone; mounting again");
-                return Ok(Some(Phase::Mounting));
-            }
+        if matches!(record.access, Access::Mount { .. })
+            && !self.mounted_from(device.index(), staging_path(record)?)?
+        {
+            tracing::warn!(volume = %record.volume_id, "staging mount is gone; mounting again");
+            return Ok(Some(Phase::Mounting));
         }
         Ok(None)
     }
@@ -671,7 +661,7 @@ impl Node {
     /// Publish targets the journal lists but that nothing is mounted on any more (a reboot,
     /// kubelet's orphan cleanup) are forgotten: they would block unstage forever.
     fn drop_stale_targets(&self, record: &mut Record) -> Result<(), NodeError> {
-        let table = MountTable::read()?;
+        let table = self.mounts.table()?;
         let stale: Vec<PathBuf> = record
             .targets
             .keys()
@@ -693,8 +683,8 @@ impl Node {
     pub(crate) async fn run_unstage(&self, record: Record) -> Result<(), NodeError> {
         if let (Access::Mount { .. }, Some(staging)) = (&record.access, &record.staging_path) {
             while self.volume_mounted_at(&record, staging)? {
-                let path = staging.clone();
-                if !off_runtime("unmount", move || Ok(mounts::ops::unmount(&path)?)).await? {
+                let (path, host) = (staging.clone(), Arc::clone(&self.mounts));
+                if !off_runtime("unmount", move || Ok(host.unmount(&path)?)).await? {
                     break; // the kernel says nothing is mounted there after all
                 }
             }
@@ -702,8 +692,9 @@ impl Node {
         fail::fail_point!("unstage-after-unmount");
         if let Some(device) = self.proven_device(&record)? {
             if record.access.is_block() {
-                let dev = self.sysfs.dev_path(device.index());
-                off_runtime("flush", move || flush_device(&dev)).await?;
+                let dev = self.kernel.dev_path(device.index());
+                let tools = Arc::clone(&self.tools);
+                off_runtime("flush", move || Ok(tools.flush(&dev)?)).await?;
             }
             self.disconnect(&record.volume_id, &device).await?;
             tracing::info!(volume = %record.volume_id, device = %device.index(), "detached");
@@ -718,10 +709,9 @@ impl Node {
         let Some(device) = self.proven_device(record)? else {
             return Ok(());
         };
-        let dev = self.sysfs.dev_path(device.index());
-        let table = MountTable::read()?;
+        let table = self.mounts.table()?;
         let mut foreign: Vec<String> = Vec::new();
-        if let Some((major, minor)) = device_numbers(&dev) {
+        if let Some((major, minor)) = self.kernel.device_numbers(device.index()) {
             foreign.extend(
                 table
                     .of_device(major, minor)
@@ -763,35 +753,36 @@ impl Node {
     /// device is gone, from an nbd device that no longer carries any identifier (a mount the
     /// lost device left behind). Anything else mounted there is not ours to remove.
     fn volume_mounted_at(&self, record: &Record, path: &Path) -> Result<bool, NodeError> {
-        let table = MountTable::read()?;
+        let table = self.mounts.table()?;
         let Some(top) = table.at(path).last() else {
             return Ok(false);
         };
         if let Some(device) = self.proven_device(record)? {
-            let dev = self.sysfs.dev_path(device.index());
-            return Ok(device_numbers(&dev) == Some((top.major, top.minor)));
+            return Ok(self.kernel.device_numbers(device.index()) == Some((top.major, top.minor)));
         }
         let stale = top.source.starts_with("/dev/nbd")
             && top
                 .source
                 .parse::<DeviceIndex>()
-                .is_ok_and(|index| matches!(self.sysfs.backend(index), Ok(None)));
+                .is_ok_and(|index| matches!(self.kernel.backend(index), Ok(None)));
         Ok(stale)
     }
 
-    /// Whether the filesystem on `dev` is mounted at `path`.
-    pub(crate) fn mounted_from(&self, dev: &Path, path: &Path) -> Result<bool, NodeError> {
-        let Some((major, minor)) = device_numbers(dev) else {
+    /// Whether the filesystem on `device` is mounted at `path`.
+    pub(crate) fn mounted_from(&self, device: DeviceIndex, path: &Path) -> Result<bool, NodeError> {
+        let Some((major, minor)) = self.kernel.device_numbers(device) else {
             return Ok(false);
         };
-        Ok(MountTable::read()?
+        Ok(self
+            .mounts
+            .table()?
             .at(path)
             .any(|m| m.major == major && m.minor == minor))
     }
-}
 
-fn is_mount_point(path: &Path) -> Result<bool, NodeError> {
-    Ok(MountTable::read()?.is_mount_point(path))
+    fn is_mount_point(&self, path: &Path) -> Result<bool, NodeError> {
+        Ok(self.mounts.table()?.is_mount_point(path))
+    }
 }
 
 /// The kernel takes sizes in whole logical blocks: an export whose size is not a multiple of

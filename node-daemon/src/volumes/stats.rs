@@ -55,7 +55,7 @@ impl Node {
             Access::Block => Usage::Block {
                 bytes: record
                     .device_index()
-                    .and_then(|i| self.sysfs.size_bytes(i).ok())
+                    .and_then(|i| self.kernel.size_bytes(i).ok())
                     .unwrap_or_default(),
             },
         };
@@ -67,10 +67,9 @@ impl Node {
     }
 
     fn mounted_here(&self, record: &Record, path: &Path) -> bool {
-        record.device_index().is_some_and(|i| {
-            self.mounted_from(&self.sysfs.dev_path(i), path)
-                .unwrap_or(false)
-        })
+        record
+            .device_index()
+            .is_some_and(|i| self.mounted_from(i, path).unwrap_or(false))
     }
 
     /// Abnormal when the device is missing, carries another identifier, or its link is down.
@@ -79,7 +78,7 @@ impl Node {
             return Ok((true, "no NBD device is attached for this volume".into()));
         };
         let expected = &record.identifier;
-        match self.sysfs.backend(index)? {
+        match self.kernel.backend(index)? {
             None => return Ok((true, format!("{index} is gone (no longer attached)"))),
             Some(found) if found != expected.as_str() => {
                 return Ok((

@@ -1,0 +1,282 @@
+//! The host as the phase decisions see it, behind three narrow traits: [`Kernel`] (sysfs facts,
+//! netlink verbs, and the dial that feeds CONNECT), [`Mounts`] (the mount table and the two
+//! mount syscalls staging uses) and [`Tools`] (the blocking tools: probe, mkfs, grow, flush,
+//! freeze). [`Node`](crate::node::Node) holds them as trait objects, given to
+//! [`Node::new`](crate::node::Node::new) in a [`Host`]: [`Host::real`] wraps the `nbd` and
+//! `mounts` crates, and the unit tests give recording fakes (the youki `Syscall` pattern), so
+//! what stage and recovery decide for every phase is tested on the host. The VM tests remain
+//! the truth about the kernel.
+//!
+//! Only what a decision needs is here: publish's bind mounts, healing's socket diagnostics
+//! and the CLI's own sysfs reads go straight to the libraries.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use mounts::{Filesystem, MountOptions, MountTable, Probe};
+use nbd::attach::{AttachOptions, Attached};
+use nbd::dial::{DialOptions, Dialed};
+use nbd::netlink::{NbdNetlink, ReconfigureRequest};
+use nbd::sysfs::{ProvenDevice, Sysfs};
+use nbd::{BackendId, DeviceIndex, NbdUri};
+
+use crate::blockdev::BlockdevError;
+
+/// The kernel's nbd driver and the exports it is fed from. A [`ProvenDevice`] is made only by
+/// [`Kernel::prove`] and [`Kernel::find`] (and an attach): acting on a device still needs proof.
+#[tonic::async_trait]
+pub trait Kernel: Send + Sync + 'static {
+    /// Every `nbdN` the driver has created, in index order.
+    fn devices(&self) -> Result<Vec<DeviceIndex>, nbd::Error>;
+    /// The identifier `index` carries, `None` when it carries none.
+    fn backend(&self, index: DeviceIndex) -> Result<Option<String>, nbd::Error>;
+    /// `index`, shown to carry `expected`.
+    fn prove(&self, index: DeviceIndex, expected: &BackendId) -> Result<ProvenDevice, nbd::Error>;
+    /// The device carrying `identifier`, wherever it is.
+    fn find(&self, identifier: &BackendId) -> Result<Option<ProvenDevice>, nbd::Error>;
+    fn size_bytes(&self, index: DeviceIndex) -> Result<u64, nbd::Error>;
+    /// The device node, e.g. `/dev/nbd3`.
+    fn dev_path(&self, index: DeviceIndex) -> PathBuf;
+    /// Major and minor numbers of the device node (what the mount table names a filesystem's
+    /// device by); `None` when there is no block device node.
+    fn device_numbers(&self, index: DeviceIndex) -> Option<(u32, u32)>;
+    fn scheduler(&self, index: DeviceIndex) -> Result<String, nbd::Error>;
+    fn set_scheduler(&self, index: DeviceIndex, scheduler: &str) -> Result<(), nbd::Error>;
+
+    /// Dials the export and does the handshake, for a CONNECT to follow.
+    async fn dial(&self, uri: &NbdUri, opts: &DialOptions) -> Result<Dialed, nbd::Error>;
+    /// CONNECT with sockets already dialed, until the device is ready and proven.
+    async fn attach(&self, dialed: Dialed, opts: &AttachOptions) -> Result<Attached, nbd::Error>;
+    /// RECONFIGURE with fresh sockets (the kernel puts them into dead slots only).
+    async fn reconnect(&self, device: &ProvenDevice, dialed: &Dialed) -> Result<(), nbd::Error>;
+    /// RECONFIGURE to a new size, no sockets.
+    async fn resize(&self, device: &ProvenDevice, bytes: u64) -> Result<(), nbd::Error>;
+    /// Waits until the device node exists and shows `bytes`.
+    async fn wait_ready(
+        &self,
+        index: DeviceIndex,
+        bytes: u64,
+        timeout: Duration,
+    ) -> Result<(), nbd::Error>;
+    async fn disconnect(&self, device: &ProvenDevice) -> Result<(), nbd::Error>;
+    /// Waits until the device carries no identifier any more.
+    async fn wait_released(&self, index: DeviceIndex, timeout: Duration) -> Result<(), nbd::Error>;
+}
+
+/// The mount table and the mount syscalls of staging and teardown. Called from the blocking
+/// pool where they can block (an unmount flushing to a dead export).
+pub trait Mounts: Send + Sync + 'static {
+    /// `/proc/self/mountinfo`, now.
+    fn table(&self) -> Result<MountTable, mounts::Error>;
+    fn mount_filesystem(
+        &self,
+        dev: &Path,
+        target: &Path,
+        fs: &str,
+        opts: &MountOptions,
+    ) -> Result<(), mounts::Error>;
+    /// Unmounts the top mount at `target`; `false` when nothing was mounted there.
+    fn unmount(&self, target: &Path) -> Result<bool, mounts::Error>;
+}
+
+/// The tools that read or write a device or a filesystem. All of them block while the link
+/// is down: called through [`crate::node::off_runtime`] only.
+pub trait Tools: Send + Sync + 'static {
+    /// Drops the device's page cache (another node may have written it), then says what it
+    /// holds.
+    fn probe(&self, dev: &Path) -> Result<Probe, crate::error::NodeError>;
+    fn make_filesystem(&self, dev: &Path, fs: Filesystem, uuid: &str) -> Result<(), mounts::Error>;
+    fn redo_interrupted_format(
+        &self,
+        dev: &Path,
+        fs: Filesystem,
+        uuid: &str,
+    ) -> Result<(), mounts::Error>;
+    fn grow(&self, fs: Filesystem, dev: &Path, mount_point: &Path) -> Result<(), mounts::Error>;
+    fn flush(&self, dev: &Path) -> Result<(), BlockdevError>;
+    fn freeze(&self, mount_point: &Path) -> Result<(), BlockdevError>;
+    fn thaw(&self, mount_point: &Path) -> Result<(), BlockdevError>;
+    /// Whether the device reads its last 4 KiB of `size` (see [`crate::connections::serves_size`]).
+    fn serves_size(&self, dev: &Path, size: u64) -> bool;
+}
+
+/// What [`crate::node::Node`] reaches the host through.
+#[derive(Clone)]
+pub struct Host {
+    pub kernel: Arc<dyn Kernel>,
+    pub mounts: Arc<dyn Mounts>,
+    pub tools: Arc<dyn Tools>,
+}
+
+impl std::fmt::Debug for Host {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Host").finish_non_exhaustive()
+    }
+}
+
+impl Host {
+    /// This machine: the nbd netlink family, `/sys/block`, `/proc/self/mountinfo`, the tools.
+    pub fn real(nl: NbdNetlink, sysfs: Sysfs) -> Self {
+        Self {
+            kernel: Arc::new(NbdKernel { nl, sysfs }),
+            mounts: Arc::new(HostMounts),
+            tools: Arc::new(HostTools),
+        }
+    }
+}
+
+/// [`Kernel`] of this machine.
+#[derive(Debug)]
+pub struct NbdKernel {
+    nl: NbdNetlink,
+    sysfs: Sysfs,
+}
+
+#[tonic::async_trait]
+impl Kernel for NbdKernel {
+    fn devices(&self) -> Result<Vec<DeviceIndex>, nbd::Error> {
+        self.sysfs.devices()
+    }
+
+    fn backend(&self, index: DeviceIndex) -> Result<Option<String>, nbd::Error> {
+        self.sysfs.backend(index)
+    }
+
+    fn prove(&self, index: DeviceIndex, expected: &BackendId) -> Result<ProvenDevice, nbd::Error> {
+        self.sysfs.prove(index, expected)
+    }
+
+    fn find(&self, identifier: &BackendId) -> Result<Option<ProvenDevice>, nbd::Error> {
+        self.sysfs.find(identifier)
+    }
+
+    fn size_bytes(&self, index: DeviceIndex) -> Result<u64, nbd::Error> {
+        self.sysfs.size_bytes(index)
+    }
+
+    fn dev_path(&self, index: DeviceIndex) -> PathBuf {
+        self.sysfs.dev_path(index)
+    }
+
+    fn device_numbers(&self, index: DeviceIndex) -> Option<(u32, u32)> {
+        crate::node::device_numbers(&self.sysfs.dev_path(index))
+    }
+
+    fn scheduler(&self, index: DeviceIndex) -> Result<String, nbd::Error> {
+        self.sysfs.scheduler(index)
+    }
+
+    fn set_scheduler(&self, index: DeviceIndex, scheduler: &str) -> Result<(), nbd::Error> {
+        self.sysfs.set_scheduler(index, scheduler)
+    }
+
+    async fn dial(&self, uri: &NbdUri, opts: &DialOptions) -> Result<Dialed, nbd::Error> {
+        nbd::dial::dial(uri, opts).await
+    }
+
+    async fn attach(&self, dialed: Dialed, opts: &AttachOptions) -> Result<Attached, nbd::Error> {
+        nbd::attach::attach_dialed(&self.nl, &self.sysfs, dialed, opts).await
+    }
+
+    async fn reconnect(&self, device: &ProvenDevice, dialed: &Dialed) -> Result<(), nbd::Error> {
+        nbd::attach::reconnect_dialed(&self.nl, device, dialed).await
+    }
+
+    async fn resize(&self, device: &ProvenDevice, bytes: u64) -> Result<(), nbd::Error> {
+        self.nl
+            .reconfigure(&ReconfigureRequest {
+                index: device.index(),
+                identifier: device.identifier(),
+                sockets: &[],
+                size_bytes: Some(bytes),
+                dead_conn_timeout: None,
+            })
+            .await
+    }
+
+    async fn wait_ready(
+        &self,
+        index: DeviceIndex,
+        bytes: u64,
+        timeout: Duration,
+    ) -> Result<(), nbd::Error> {
+        self.sysfs.wait_ready(index, bytes, timeout).await
+    }
+
+    async fn disconnect(&self, device: &ProvenDevice) -> Result<(), nbd::Error> {
+        self.nl.disconnect(device).await
+    }
+
+    async fn wait_released(&self, index: DeviceIndex, timeout: Duration) -> Result<(), nbd::Error> {
+        nbd::attach::wait_released(&self.sysfs, index, timeout).await
+    }
+}
+
+/// [`Mounts`] of this machine.
+#[derive(Debug)]
+pub struct HostMounts;
+
+impl Mounts for HostMounts {
+    fn table(&self) -> Result<MountTable, mounts::Error> {
+        MountTable::read()
+    }
+
+    fn mount_filesystem(
+        &self,
+        dev: &Path,
+        target: &Path,
+        fs: &str,
+        opts: &MountOptions,
+    ) -> Result<(), mounts::Error> {
+        mounts::ops::mount_filesystem(dev, target, fs, opts)
+    }
+
+    fn unmount(&self, target: &Path) -> Result<bool, mounts::Error> {
+        mounts::ops::unmount(target)
+    }
+}
+
+/// [`Tools`] of this machine.
+#[derive(Debug)]
+pub struct HostTools;
+
+impl Tools for HostTools {
+    fn probe(&self, dev: &Path) -> Result<Probe, crate::error::NodeError> {
+        crate::blockdev::drop_cache(dev)?;
+        Ok(mounts::format::probe(dev)?)
+    }
+
+    fn make_filesystem(&self, dev: &Path, fs: Filesystem, uuid: &str) -> Result<(), mounts::Error> {
+        mounts::format::make_filesystem(dev, fs, uuid)
+    }
+
+    fn redo_interrupted_format(
+        &self,
+        dev: &Path,
+        fs: Filesystem,
+        uuid: &str,
+    ) -> Result<(), mounts::Error> {
+        mounts::format::redo_interrupted_format(dev, fs, uuid)
+    }
+
+    fn grow(&self, fs: Filesystem, dev: &Path, mount_point: &Path) -> Result<(), mounts::Error> {
+        mounts::format::grow(fs, dev, mount_point)
+    }
+
+    fn flush(&self, dev: &Path) -> Result<(), BlockdevError> {
+        crate::blockdev::flush(dev)
+    }
+
+    fn freeze(&self, mount_point: &Path) -> Result<(), BlockdevError> {
+        crate::blockdev::freeze(mount_point)
+    }
+
+    fn thaw(&self, mount_point: &Path) -> Result<(), BlockdevError> {
+        crate::blockdev::thaw(mount_point)
+    }
+
+    fn serves_size(&self, dev: &Path, size: u64) -> bool {
+        crate::connections::serves_size(dev, size)
+    }
+}
