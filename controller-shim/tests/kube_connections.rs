@@ -225,6 +225,7 @@ async fn volumes_of_two_connections_live_on_their_own_ustor_clusters() {
     use controller_shim::backend::connections::ConnectionsBackend;
     use csi_proto::csi::volume_capability::access_mode::Mode;
     use csi_proto::csi::*;
+    use testkit::csi::{controller_publish_request, create_volume_request, mount_capability};
 
     let cluster = KubeCluster::start().unwrap();
     install_crds(&cluster);
@@ -276,7 +277,7 @@ async fn volumes_of_two_connections_live_on_their_own_ustor_clusters() {
     let dir = tempfile::tempdir().unwrap();
     let backend = ConnectionsBackend::new(Arc::new(glue.connections.clone()), "data");
     let (mut csi, server) = serve_csi(Arc::new(backend), &glue, dir.path()).await;
-    let cap = testkit::csi::mount_capability("ext4", Mode::SingleNodeWriter);
+    let cap = mount_capability("ext4", Mode::SingleNodeWriter);
     // What external-provisioner sends: the StorageClass's parameters as they are.
     let storage_classes: Api<StorageClass> = Api::all(client.clone());
     let mut ids = Vec::new();
@@ -292,14 +293,8 @@ async fn volumes_of_two_connections_live_on_their_own_ustor_clusters() {
             .unwrap();
         let volume = csi
             .create_volume(CreateVolumeRequest {
-                name: format!("pvc-{class}"),
-                capacity_range: Some(CapacityRange {
-                    required_bytes: 1 << 20,
-                    limit_bytes: 0,
-                }),
-                volume_capabilities: vec![cap.clone()],
                 parameters: parameters.into_iter().collect(),
-                ..Default::default()
+                ..create_volume_request(&format!("pvc-{class}"), 1 << 20, cap.clone())
             })
             .await
             .unwrap_or_else(|e| panic!("CreateVolume with {class}: {e:?}"))
@@ -328,12 +323,7 @@ async fn volumes_of_two_connections_live_on_their_own_ustor_clusters() {
     tokio::time::sleep(Duration::from_secs(2)).await;
     alpha.expire_tokens();
     let published = csi
-        .controller_publish_volume(ControllerPublishVolumeRequest {
-            volume_id: ids[0].clone(),
-            node_id: "node-a".into(),
-            volume_capability: Some(cap.clone()),
-            ..Default::default()
-        })
+        .controller_publish_volume(controller_publish_request(&ids[0], "node-a", cap.clone()))
         .await
         .unwrap_or_else(|e| panic!("publish after the password change: {e:?}"))
         .into_inner();

@@ -18,7 +18,7 @@ use common::*;
 async fn controller_publish_to_a_node_without_our_driver_is_not_found() {
     use controller_shim::backend::local::LocalBackend;
     use csi_proto::csi::volume_capability::access_mode::Mode;
-    use csi_proto::csi::*;
+    use testkit::csi::*;
 
     let cluster = KubeCluster::start().unwrap();
     let client = client(&cluster).await;
@@ -33,28 +33,13 @@ async fn controller_publish_to_a_node_without_our_driver_is_not_found() {
     let dir = tempfile::tempdir().unwrap();
     let backend = LocalBackend::open(&dir.path().join("store"), "127.0.0.1:10809").unwrap();
     let (mut csi, server) = serve_csi(Arc::new(backend), &glue, dir.path()).await;
-    let cap = testkit::csi::mount_capability("ext4", Mode::SingleNodeWriter);
-    let volume = csi
-        .create_volume(CreateVolumeRequest {
-            name: "pvc-1".into(),
-            capacity_range: Some(CapacityRange {
-                required_bytes: 1 << 20,
-                limit_bytes: 0,
-            }),
-            volume_capabilities: vec![cap.clone()],
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
-    let publish = |node: &str| ControllerPublishVolumeRequest {
-        volume_id: volume.volume_id.clone(),
-        node_id: node.into(),
-        volume_capability: Some(cap.clone()),
-        ..Default::default()
-    };
+    let cap = mount_capability("ext4", Mode::SingleNodeWriter);
+    let volume = created_volume(
+        &mut csi,
+        create_volume_request("pvc-1", 1 << 20, cap.clone()),
+    )
+    .await;
+    let publish = |node: &str| controller_publish_request(&volume.volume_id, node, cap.clone());
     let published = eventually("node-a known", Duration::from_secs(30), || {
         let mut csi = csi.clone();
         let req = publish("node-a");

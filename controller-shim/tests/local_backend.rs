@@ -4,6 +4,8 @@
 
 #![allow(clippy::unwrap_used)] // a test fails by panicking
 
+mod common;
+
 use std::collections::HashMap;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -14,9 +16,8 @@ use controller_shim::backend::local::LocalBackend;
 use controller_shim::exports::ExportServer;
 use csi_proto::csi::controller_client::ControllerClient;
 use csi_proto::csi::volume_capability::access_mode::Mode;
-use csi_proto::csi::volume_content_source::{SnapshotSource, Type as SourceType, VolumeSource};
 use csi_proto::csi::*;
-use testkit::csi::{block_capability, mount_capability};
+use testkit::csi::*;
 use tonic::transport::Channel;
 use tonic::Code;
 
@@ -42,12 +43,7 @@ impl Drop for Controller {
 async fn start() -> Controller {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().join("store");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let listen: std::net::SocketAddr = ([127, 0, 0, 1], port).into();
+    let listen: std::net::SocketAddr = ([127, 0, 0, 1], testkit::free_port().unwrap()).into();
     let backend = LocalBackend::open(&root, &listen.to_string()).unwrap();
     let exports = tokio::spawn(
         ExportServer {
@@ -56,29 +52,19 @@ async fn start() -> Controller {
         }
         .supervise(),
     );
-    let socket = dir.path().join("csi.sock");
     // Bound here and handed over: no window in which another test could take the port.
     let metrics_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let metrics = metrics_listener.local_addr().unwrap();
-    let server = {
-        let socket = socket.clone();
-        tokio::spawn(async move {
-            controller_shim::server::serve(
-                &socket,
-                Arc::new(backend),
-                "test".into(),
-                Some(metrics_listener),
-                Default::default(),
-                None,
-                std::future::pending(),
-            )
-            .await
-            .unwrap();
-        })
-    };
-    let channel = testkit::csi::wait_connect(&socket, Duration::from_secs(10)).await;
+    let (client, server) = common::serve_controller(
+        dir.path(),
+        Arc::new(backend),
+        "test",
+        Some(metrics_listener),
+        None,
+    )
+    .await;
     Controller {
-        client: ControllerClient::new(channel),
+        client,
         metrics,
         root,
         _dir: dir,
@@ -87,17 +73,7 @@ async fn start() -> Controller {
 }
 
 fn create(name: &str, required: i64, cap: VolumeCapability) -> CreateVolumeRequest {
-    CreateVolumeRequest {
-        name: name.into(),
-        capacity_range: Some(CapacityRange {
-            required_bytes: required,
-            limit_bytes: 0,
-        }),
-        volume_capabilities: vec![cap],
-        parameters: HashMap::new(),
-        volume_content_source: None,
-        accessibility_requirements: None,
-    }
+    create_volume_request(name, required, cap)
 }
 
 fn ext4() -> VolumeCapability {
@@ -151,14 +127,7 @@ fn read(path: &Path, offset: u64, len: usize) -> Vec<u8> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn volume_snapshot_restore_clone_expand_delete() {
     let mut c = start().await;
-    let v = c
-        .client
-        .create_volume(create("pvc-a", 10 * MIB + 1, ext4()))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+    let v = created_volume(&mut c.client, create("pvc-a", 10 * MIB + 1, ext4())).await;
     assert_eq!(v.capacity_bytes, 11 * MIB, "rounded up to whole MiB");
     assert!(
         v.volume_id.starts_with("local:volume:test-"),
@@ -190,36 +159,14 @@ async fn volume_snapshot_restore_clone_expand_delete() {
     // Snapshot, then restore into a larger volume and clone: the data is there.
     let file = image_file(&c, &v.volume_id);
     write(&file, 5 << 20, b"snapshot me");
-    let snap = c
-        .client
-        .create_snapshot(CreateSnapshotRequest {
-            source_volume_id: v.volume_id.clone(),
-            name: "snap-1".into(),
-            parameters: HashMap::new(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .snapshot
-        .unwrap();
+    let snap = created_snapshot(&mut c.client, &v.volume_id, "snap-1").await;
     assert!(
         snap.ready_to_use && snap.size_bytes == 11 * MIB && snap.source_volume_id == v.volume_id
     );
     write(&file, 5 << 20, b"changed!!!!");
     let mut restore = create("pvc-restored", 32 * MIB, ext4());
-    restore.volume_content_source = Some(VolumeContentSource {
-        r#type: Some(SourceType::Snapshot(SnapshotSource {
-            snapshot_id: snap.snapshot_id.clone(),
-        })),
-    });
-    let restored = c
-        .client
-        .create_volume(restore)
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+    restore.volume_content_source = from_snapshot(&snap.snapshot_id);
+    let restored = created_volume(&mut c.client, restore).await;
     assert_eq!(
         restored.capacity_bytes,
         32 * MIB,
@@ -234,19 +181,8 @@ async fn volume_snapshot_restore_clone_expand_delete() {
         32 << 20
     );
     let mut clone = create("pvc-clone", 0, ext4());
-    clone.volume_content_source = Some(VolumeContentSource {
-        r#type: Some(SourceType::Volume(VolumeSource {
-            volume_id: v.volume_id.clone(),
-        })),
-    });
-    let cloned = c
-        .client
-        .create_volume(clone)
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+    clone.volume_content_source = from_volume(&v.volume_id);
+    let cloned = created_volume(&mut c.client, clone).await;
     assert_eq!(
         read(&image_file(&c, &cloned.volume_id), 5 << 20, 11),
         b"changed!!!!"
@@ -260,14 +196,11 @@ async fn volume_snapshot_restore_clone_expand_delete() {
     // Expansion: the export shows the new size to new connections.
     let r = c
         .client
-        .controller_expand_volume(ControllerExpandVolumeRequest {
-            volume_id: v.volume_id.clone(),
-            capacity_range: Some(CapacityRange {
-                required_bytes: 20 * MIB,
-                limit_bytes: 0,
-            }),
-            volume_capability: Some(ext4()),
-        })
+        .controller_expand_volume(controller_expand_request(
+            &v.volume_id,
+            20 * MIB,
+            Some(ext4()),
+        ))
         .await
         .unwrap()
         .into_inner();
@@ -283,36 +216,21 @@ async fn volume_snapshot_restore_clone_expand_delete() {
         &cloned.volume_id,
     ] {
         c.client
-            .delete_volume(DeleteVolumeRequest {
-                volume_id: id.clone(),
-            })
+            .delete_volume(delete_volume_request(id))
             .await
             .unwrap();
     }
     assert!(!file.exists());
     let mut again = create("pvc-from-orphan-snap", 11 * MIB, ext4());
-    again.volume_content_source = Some(VolumeContentSource {
-        r#type: Some(SourceType::Snapshot(SnapshotSource {
-            snapshot_id: snap.snapshot_id.clone(),
-        })),
-    });
-    let orphan = c
-        .client
-        .create_volume(again)
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+    again.volume_content_source = from_snapshot(&snap.snapshot_id);
+    let orphan = created_volume(&mut c.client, again).await;
     assert_eq!(
         read(&image_file(&c, &orphan.volume_id), 5 << 20, 11),
         b"snapshot me"
     );
     for _ in 0..2 {
         c.client
-            .delete_snapshot(DeleteSnapshotRequest {
-                snapshot_id: snap.snapshot_id.clone(),
-            })
+            .delete_snapshot(delete_snapshot_request(&snap.snapshot_id))
             .await
             .unwrap();
     }
@@ -321,58 +239,39 @@ async fn volume_snapshot_restore_clone_expand_delete() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn publish_rules_follow_the_access_mode() {
     let mut c = start().await;
-    let rwo = c
-        .client
-        .create_volume(create("pvc-rwo", MIB, ext4()))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+    let rwo = created_volume(&mut c.client, create("pvc-rwo", MIB, ext4())).await;
     let rwx_cap = block_capability(Mode::MultiNodeMultiWriter);
-    let rwx = c
-        .client
-        .create_volume(create("vm-disk", MIB, rwx_cap.clone()))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
-    let publish = |id: &str, node: &str, cap: VolumeCapability| ControllerPublishVolumeRequest {
-        volume_id: id.into(),
-        node_id: node.into(),
-        volume_capability: Some(cap),
-        readonly: false,
-        volume_context: HashMap::new(),
-    };
+    let rwx = created_volume(&mut c.client, create("vm-disk", MIB, rwx_cap.clone())).await;
     let ctx = c
         .client
-        .controller_publish_volume(publish(&rwo.volume_id, "node-a", ext4()))
+        .controller_publish_volume(controller_publish_request(&rwo.volume_id, "node-a", ext4()))
         .await
         .unwrap()
         .into_inner();
     assert_eq!(ctx.publish_context["nbdUri"], rwo.volume_context["nbdUri"]);
     c.client
-        .controller_publish_volume(publish(&rwo.volume_id, "node-a", ext4()))
+        .controller_publish_volume(controller_publish_request(&rwo.volume_id, "node-a", ext4()))
         .await
         .unwrap();
     let err = c
         .client
-        .controller_publish_volume(publish(&rwo.volume_id, "node-b", ext4()))
+        .controller_publish_volume(controller_publish_request(&rwo.volume_id, "node-b", ext4()))
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{}", err.message());
     for node in ["node-a", "node-b"] {
         c.client
-            .controller_publish_volume(publish(&rwx.volume_id, node, rwx_cap.clone()))
+            .controller_publish_volume(controller_publish_request(
+                &rwx.volume_id,
+                node,
+                rwx_cap.clone(),
+            ))
             .await
             .unwrap();
     }
     let err = c
         .client
-        .delete_volume(DeleteVolumeRequest {
-            volume_id: rwo.volume_id.clone(),
-        })
+        .delete_volume(delete_volume_request(&rwo.volume_id))
         .await
         .unwrap_err();
     assert_eq!(
@@ -382,20 +281,21 @@ async fn publish_rules_follow_the_access_mode() {
     );
     for _ in 0..2 {
         c.client
-            .controller_unpublish_volume(ControllerUnpublishVolumeRequest {
-                volume_id: rwo.volume_id.clone(),
-                node_id: "node-a".into(),
-            })
+            .controller_unpublish_volume(controller_unpublish_request(&rwo.volume_id, "node-a"))
             .await
             .unwrap();
     }
     c.client
-        .controller_publish_volume(publish(&rwo.volume_id, "node-b", ext4()))
+        .controller_publish_volume(controller_publish_request(&rwo.volume_id, "node-b", ext4()))
         .await
         .unwrap();
     let err = c
         .client
-        .controller_publish_volume(publish("local:volume:test-nope", "node-a", ext4()))
+        .controller_publish_volume(controller_publish_request(
+            "local:volume:test-nope",
+            "node-a",
+            ext4(),
+        ))
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::NotFound);
@@ -404,29 +304,11 @@ async fn publish_rules_follow_the_access_mode() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn list_snapshots_pages_and_filters() {
     let mut c = start().await;
-    let v = c
-        .client
-        .create_volume(create("pvc-s", MIB, ext4()))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
-    let other = c
-        .client
-        .create_volume(create("pvc-t", MIB, ext4()))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+    let v = created_volume(&mut c.client, create("pvc-s", MIB, ext4())).await;
+    let other = created_volume(&mut c.client, create("pvc-t", MIB, ext4())).await;
     for (name, source) in [("s1", &v), ("s2", &v), ("s3", &v), ("t1", &other)] {
         c.client
-            .create_snapshot(CreateSnapshotRequest {
-                source_volume_id: source.volume_id.clone(),
-                name: name.into(),
-                parameters: HashMap::new(),
-            })
+            .create_snapshot(snapshot_request(&source.volume_id, name))
             .await
             .unwrap();
     }
@@ -483,11 +365,7 @@ async fn list_snapshots_pages_and_filters() {
     // The same name for a snapshot of another volume is a clash.
     let err = c
         .client
-        .create_snapshot(CreateSnapshotRequest {
-            source_volume_id: other.volume_id.clone(),
-            name: "s1".into(),
-            parameters: HashMap::new(),
-        })
+        .create_snapshot(snapshot_request(&other.volume_id, "s1"))
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::AlreadyExists);
@@ -525,33 +403,17 @@ async fn bad_input_gets_the_spec_code() {
     r.capacity_range.as_mut().unwrap().limit_bytes = MIB;
     cases.push(("required over limit", r, Code::OutOfRange));
     let mut r = create("x", MIB, ext4());
-    r.volume_content_source = Some(VolumeContentSource {
-        r#type: Some(SourceType::Snapshot(SnapshotSource {
-            snapshot_id: "local:snapshot:test-missing".into(),
-        })),
-    });
+    r.volume_content_source = from_snapshot("local:snapshot:test-missing");
     cases.push(("missing snapshot source", r, Code::NotFound));
     let mut r = create("x", MIB, ext4());
-    r.volume_content_source = Some(VolumeContentSource {
-        r#type: Some(SourceType::Volume(VolumeSource {
-            volume_id: "local:snapshot:test-x".into(),
-        })),
-    });
+    r.volume_content_source = from_volume("local:snapshot:test-x");
     cases.push(("snapshot id as volume source", r, Code::NotFound));
     // Ids another driver issued (csi-sanity's "some-snap-id"): the source does not exist.
     let mut r = create("x", MIB, ext4());
-    r.volume_content_source = Some(VolumeContentSource {
-        r#type: Some(SourceType::Snapshot(SnapshotSource {
-            snapshot_id: "some-snap-id".into(),
-        })),
-    });
+    r.volume_content_source = from_snapshot("some-snap-id");
     cases.push(("foreign snapshot source", r, Code::NotFound));
     let mut r = create("x", MIB, ext4());
-    r.volume_content_source = Some(VolumeContentSource {
-        r#type: Some(SourceType::Volume(VolumeSource {
-            volume_id: "some-vol-id".into(),
-        })),
-    });
+    r.volume_content_source = from_volume("some-vol-id");
     cases.push(("foreign volume source", r, Code::NotFound));
     for (what, req, code) in cases {
         let err = c.client.create_volume(req).await.expect_err(what);
@@ -566,22 +428,16 @@ async fn bad_input_gets_the_spec_code() {
 
     // Deleting what this driver never issued is deleting what does not exist: OK.
     c.client
-        .delete_volume(DeleteVolumeRequest {
-            volume_id: "not-ours".into(),
-        })
+        .delete_volume(delete_volume_request("not-ours"))
         .await
         .expect("a foreign volume id is deleted");
     c.client
-        .delete_snapshot(DeleteSnapshotRequest {
-            snapshot_id: "ustor:snapshot:data/x".into(),
-        })
+        .delete_snapshot(delete_snapshot_request("ustor:snapshot:data/x"))
         .await
         .expect("a foreign snapshot id is deleted");
     let err = c
         .client
-        .delete_volume(DeleteVolumeRequest {
-            volume_id: String::new(),
-        })
+        .delete_volume(delete_volume_request(""))
         .await
         .unwrap_err();
     assert_eq!(
@@ -590,43 +446,27 @@ async fn bad_input_gets_the_spec_code() {
         "an empty id is still refused"
     );
     c.client
-        .delete_volume(DeleteVolumeRequest {
-            volume_id: "local:volume:test-never-existed".into(),
-        })
+        .delete_volume(delete_volume_request("local:volume:test-never-existed"))
         .await
         .expect("deleting what is not there is OK");
     let err = c
         .client
-        .controller_expand_volume(ControllerExpandVolumeRequest {
-            volume_id: "local:volume:test-nope".into(),
-            capacity_range: Some(CapacityRange {
-                required_bytes: MIB,
-                limit_bytes: 0,
-            }),
-            volume_capability: None,
-        })
+        .controller_expand_volume(controller_expand_request(
+            "local:volume:test-nope",
+            MIB,
+            None,
+        ))
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::NotFound);
     let err = c
         .client
-        .create_snapshot(CreateSnapshotRequest {
-            source_volume_id: "local:volume:test-nope".into(),
-            name: "s".into(),
-            parameters: HashMap::new(),
-        })
+        .create_snapshot(snapshot_request("local:volume:test-nope", "s"))
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::NotFound);
     // ValidateVolumeCapabilities: confirmed, refused with a reason, unknown volume, no capability.
-    let v = c
-        .client
-        .create_volume(create("pvc-v", MIB, ext4()))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+    let v = created_volume(&mut c.client, create("pvc-v", MIB, ext4())).await;
     let validate = |id: &str, caps: Vec<VolumeCapability>| ValidateVolumeCapabilitiesRequest {
         volume_id: id.into(),
         volume_context: HashMap::new(),
@@ -666,19 +506,10 @@ async fn bad_input_gets_the_spec_code() {
         assert_eq!(err.code(), Code::NotFound, "{unknown}");
     }
     // The longest name the spec allows gives an id within its 128 bytes.
-    let long = c
-        .client
-        .create_volume(create(&"n".repeat(128), MIB, ext4()))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+    let long = created_volume(&mut c.client, create(&"n".repeat(128), MIB, ext4())).await;
     assert!(long.volume_id.len() <= 128, "{}", long.volume_id);
     c.client
-        .delete_volume(DeleteVolumeRequest {
-            volume_id: long.volume_id,
-        })
+        .delete_volume(delete_volume_request(&long.volume_id))
         .await
         .unwrap();
     let err = c

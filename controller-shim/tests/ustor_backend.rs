@@ -3,9 +3,10 @@
 
 #![allow(clippy::unwrap_used)] // a test fails by panicking
 
-use std::collections::HashMap;
+mod common;
+
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use controller_shim::backend::ustor::api::UstorApi;
 use controller_shim::backend::ustor::backend::UstorBackend;
@@ -13,9 +14,8 @@ use controller_shim::backend::ustor::credentials::CredentialsDir;
 use controller_shim::backend::ustor::login::Timing;
 use csi_proto::csi::controller_client::ControllerClient;
 use csi_proto::csi::volume_capability::access_mode::Mode;
-use csi_proto::csi::volume_content_source::{SnapshotSource, Type as SourceType};
 use csi_proto::csi::*;
-use testkit::csi::mount_capability;
+use testkit::csi::*;
 use testkit::fake_ustor::FakeUstor;
 use tonic::transport::Channel;
 use tonic::Code;
@@ -40,41 +40,23 @@ async fn controller(
     )
     .unwrap();
     let backend = UstorBackend::new(Arc::new(api), "data");
-    let socket = dir.path().join("csi.sock");
-    {
-        let socket = socket.clone();
-        tokio::spawn(async move {
-            controller_shim::server::serve(
-                &socket,
-                Arc::new(backend),
-                "test".into(),
-                None,
-                Default::default(),
-                None,
-                std::future::pending(),
-            )
-            .await
-            .unwrap();
-        });
-    }
-    let channel = testkit::csi::wait_connect(&socket, Duration::from_secs(10)).await;
-    (ControllerClient::new(channel), dir)
+    let (client, _server) =
+        common::serve_controller(dir.path(), Arc::new(backend), "test", None, None).await;
+    (client, dir)
 }
 
 fn create(name: &str, bytes: i64, pool: Option<&str>) -> CreateVolumeRequest {
-    CreateVolumeRequest {
-        name: name.into(),
-        capacity_range: Some(CapacityRange {
-            required_bytes: bytes,
-            limit_bytes: 0,
-        }),
-        volume_capabilities: vec![mount_capability("ext4", Mode::SingleNodeWriter)],
-        parameters: pool
-            .map(|p| HashMap::from([("pool".to_owned(), p.to_owned())]))
-            .unwrap_or_default(),
-        volume_content_source: None,
-        accessibility_requirements: None,
+    let mut request = create_volume_request(
+        name,
+        bytes,
+        mount_capability("ext4", Mode::SingleNodeWriter),
+    );
+    if let Some(pool) = pool {
+        request
+            .parameters
+            .insert("pool".to_owned(), pool.to_owned());
     }
+    request
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -83,13 +65,7 @@ async fn provisioning_on_ustor() {
     server.set_user("csi", "pw", None);
     let (mut c, _dir) = controller(&server, "pw").await;
 
-    let v = c
-        .create_volume(create("pvc-1", 100 * MIB, Some("data")))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+    let v = created_volume(&mut c, create("pvc-1", 100 * MIB, Some("data"))).await;
     assert_eq!(v.volume_id, "ustor:volume:data/test-pvc-1");
     assert_eq!(
         v.volume_context["nbdUri"],
@@ -121,12 +97,12 @@ async fn provisioning_on_ustor() {
     assert_eq!(clash.code(), Code::AlreadyExists);
 
     // Publications are kept in uStor (labels), so they survive a controller restart.
-    let publish = |node: &str| ControllerPublishVolumeRequest {
-        volume_id: v.volume_id.clone(),
-        node_id: node.into(),
-        volume_capability: Some(mount_capability("ext4", Mode::SingleNodeWriter)),
-        readonly: false,
-        volume_context: HashMap::new(),
+    let publish = |node: &str| {
+        controller_publish_request(
+            &v.volume_id,
+            node,
+            mount_capability("ext4", Mode::SingleNodeWriter),
+        )
     };
     let ctx = c
         .controller_publish_volume(publish("node-a"))
@@ -141,58 +117,24 @@ async fn provisioning_on_ustor() {
         .unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{}", err.message());
     restarted
-        .controller_unpublish_volume(ControllerUnpublishVolumeRequest {
-            volume_id: v.volume_id.clone(),
-            node_id: "node-a".into(),
-        })
+        .controller_unpublish_volume(controller_unpublish_request(&v.volume_id, "node-a"))
         .await
         .unwrap();
 
-    let snap = c
-        .create_snapshot(CreateSnapshotRequest {
-            source_volume_id: v.volume_id.clone(),
-            name: "snap-1".into(),
-            parameters: HashMap::new(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .snapshot
-        .unwrap();
+    let snap = created_snapshot(&mut c, &v.volume_id, "snap-1").await;
     assert_eq!(snap.snapshot_id, "ustor:snapshot:data/test-snap-1");
     assert_eq!(snap.size_bytes, 100 * MIB);
     let mut restore = create("pvc-restored", 200 * MIB, Some("data"));
-    restore.volume_content_source = Some(VolumeContentSource {
-        r#type: Some(SourceType::Snapshot(SnapshotSource {
-            snapshot_id: snap.snapshot_id.clone(),
-        })),
-    });
-    let restored = c
-        .create_volume(restore)
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+    restore.volume_content_source = from_snapshot(&snap.snapshot_id);
+    let restored = created_volume(&mut c, restore).await;
     assert_eq!(restored.capacity_bytes, 200 * MIB);
     let mut other_pool = create("pvc-elsewhere", 200 * MIB, Some("fast"));
-    other_pool.volume_content_source = Some(VolumeContentSource {
-        r#type: Some(SourceType::Snapshot(SnapshotSource {
-            snapshot_id: snap.snapshot_id.clone(),
-        })),
-    });
+    other_pool.volume_content_source = from_snapshot(&snap.snapshot_id);
     let err = c.create_volume(other_pool).await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument, "{}", err.message());
 
     let r = c
-        .controller_expand_volume(ControllerExpandVolumeRequest {
-            volume_id: v.volume_id.clone(),
-            capacity_range: Some(CapacityRange {
-                required_bytes: 300 * MIB,
-                limit_bytes: 0,
-            }),
-            volume_capability: None,
-        })
+        .controller_expand_volume(controller_expand_request(&v.volume_id, 300 * MIB, None))
         .await
         .unwrap()
         .into_inner();
@@ -232,24 +174,8 @@ async fn provisioning_on_ustor() {
         .unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
     // Snapshots of a volume in another pool are listed from that pool.
-    let fast = c
-        .create_volume(create("pvc-fast", 100 * MIB, Some("fast")))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
-    let fast_snap = c
-        .create_snapshot(CreateSnapshotRequest {
-            source_volume_id: fast.volume_id.clone(),
-            name: "snap-fast".into(),
-            parameters: HashMap::new(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .snapshot
-        .unwrap();
+    let fast = created_volume(&mut c, create("pvc-fast", 100 * MIB, Some("fast"))).await;
+    let fast_snap = created_snapshot(&mut c, &fast.volume_id, "snap-fast").await;
     assert!(fast_snap.snapshot_id.starts_with("ustor:snapshot:fast/"));
     for request in [
         ListSnapshotsRequest {
@@ -264,30 +190,20 @@ async fn provisioning_on_ustor() {
         let listed = c.list_snapshots(request).await.unwrap().into_inner();
         assert_eq!(listed.entries.len(), 1, "found in the fast pool");
     }
-    c.delete_snapshot(DeleteSnapshotRequest {
-        snapshot_id: fast_snap.snapshot_id,
-    })
-    .await
-    .unwrap();
-    c.delete_volume(DeleteVolumeRequest {
-        volume_id: fast.volume_id,
-    })
-    .await
-    .unwrap();
+    c.delete_snapshot(delete_snapshot_request(&fast_snap.snapshot_id))
+        .await
+        .unwrap();
+    c.delete_volume(delete_volume_request(&fast.volume_id))
+        .await
+        .unwrap();
 
     for id in [&v.volume_id, &v.volume_id, &restored.volume_id] {
-        c.delete_volume(DeleteVolumeRequest {
-            volume_id: id.clone(),
-        })
-        .await
-        .unwrap();
+        c.delete_volume(delete_volume_request(id)).await.unwrap();
     }
     for _ in 0..2 {
-        c.delete_snapshot(DeleteSnapshotRequest {
-            snapshot_id: snap.snapshot_id.clone(),
-        })
-        .await
-        .unwrap();
+        c.delete_snapshot(delete_snapshot_request(&snap.snapshot_id))
+            .await
+            .unwrap();
     }
 }
 

@@ -3,11 +3,9 @@
 
 #![allow(clippy::unwrap_used)] // a test fails by panicking
 
-use std::collections::HashMap;
 use std::path::Path;
 
 use csi_proto::csi::volume_capability::access_mode::Mode;
-use csi_proto::csi::volume_content_source::{SnapshotSource, Type as SourceType};
 use csi_proto::csi::*;
 use testkit::controller::ControllerProcess;
 use testkit::csi::*;
@@ -33,23 +31,10 @@ async fn create_stage_write_snapshot_restore_larger_expand() {
 
     let create =
         |name: &str, bytes: i64, source: Option<VolumeContentSource>| CreateVolumeRequest {
-            name: name.into(),
-            capacity_range: Some(CapacityRange {
-                required_bytes: bytes,
-                limit_bytes: 0,
-            }),
-            volume_capabilities: vec![ext4()],
-            parameters: HashMap::new(),
             volume_content_source: source,
-            accessibility_requirements: None,
+            ..create_volume_request(name, bytes, ext4())
         };
-    let src = ctrl
-        .create_volume(create("pvc-src", 64 * MIB, None))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+    let src = created_volume(&mut ctrl, create("pvc-src", 64 * MIB, None)).await;
     let placed = place(&mut ctrl, &mut node, &daemon, &src, ext4())
         .await
         .unwrap();
@@ -67,34 +52,14 @@ async fn create_stage_write_snapshot_restore_larger_expand() {
     // SAFETY: sync(2) takes no arguments and cannot fail.
     unsafe { libc::sync() };
 
-    let snap = ctrl
-        .create_snapshot(CreateSnapshotRequest {
-            source_volume_id: src.volume_id.clone(),
-            name: "snap-e2e".into(),
-            parameters: HashMap::new(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .snapshot
-        .unwrap();
+    let snap = created_snapshot(&mut ctrl, &src.volume_id, "snap-e2e").await;
 
     // Restored into a larger volume: the data is there and the filesystem has the new size.
-    let restored = ctrl
-        .create_volume(create(
-            "pvc-restored",
-            128 * MIB,
-            Some(VolumeContentSource {
-                r#type: Some(SourceType::Snapshot(SnapshotSource {
-                    snapshot_id: snap.snapshot_id.clone(),
-                })),
-            }),
-        ))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+    let restored = created_volume(
+        &mut ctrl,
+        create("pvc-restored", 128 * MIB, from_snapshot(&snap.snapshot_id)),
+    )
+    .await;
     let placed_restored = place(&mut ctrl, &mut node, &daemon, &restored, ext4())
         .await
         .unwrap();
@@ -108,14 +73,11 @@ async fn create_stage_write_snapshot_restore_larger_expand() {
     // Online expansion of the source through controller and node.
     let before = total_mib(&placed.target);
     let r = ctrl
-        .controller_expand_volume(ControllerExpandVolumeRequest {
-            volume_id: src.volume_id.clone(),
-            capacity_range: Some(CapacityRange {
-                required_bytes: 96 * MIB,
-                limit_bytes: 0,
-            }),
-            volume_capability: Some(ext4()),
-        })
+        .controller_expand_volume(controller_expand_request(
+            &src.volume_id,
+            96 * MIB,
+            Some(ext4()),
+        ))
         .await
         .unwrap()
         .into_inner();
@@ -142,10 +104,8 @@ async fn create_stage_write_snapshot_restore_larger_expand() {
     remove(&mut ctrl, &mut node, &daemon, &placed)
         .await
         .unwrap();
-    ctrl.delete_snapshot(DeleteSnapshotRequest {
-        snapshot_id: snap.snapshot_id,
-    })
-    .await
-    .unwrap();
+    ctrl.delete_snapshot(delete_snapshot_request(&snap.snapshot_id))
+        .await
+        .unwrap();
     assert!(daemon.journal_files().is_empty());
 }

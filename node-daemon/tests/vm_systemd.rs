@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use csi_proto::csi::volume_capability::access_mode::Mode;
 use csi_proto::csi::{ProbeRequest, VolumeCapability};
 use testkit::csi::*;
+use testkit::wait::eventually_blocking;
 use testkit::{kernel_io_errors, pattern};
 
 const UNIT: &str = "ustor-csi-node.service";
@@ -76,15 +77,6 @@ fn main_pid() -> i32 {
 
 fn state() -> String {
     run("systemctl", &["is-active", UNIT]).1.trim().to_owned()
-}
-
-/// Waits up to 10 s for `check` to hold.
-fn eventually(what: &str, check: impl Fn() -> bool) {
-    let until = Instant::now() + Duration::from_secs(10);
-    while !check() {
-        assert!(Instant::now() < until, "not within 10 s: {what}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
 }
 
 /// Waits until systemd shows the service active under a main process other than `old`.
@@ -305,8 +297,10 @@ async fn systemd_1_the_package_installs_serves_restarts_and_is_watched() {
     std::fs::create_dir_all(staging()).unwrap();
     stage_and_publish(&mut c).await;
     write_file("before", 4 * MIB as usize, 1);
-    eventually("STATUS= counts the volume", || {
-        property("StatusText").contains("1 volume(s) attached")
+    eventually_blocking("STATUS= counts the volume", Duration::from_secs(10), || {
+        property("StatusText")
+            .contains("1 volume(s) attached")
+            .then_some(())
     });
     assert_eq!(
         property("NFileDescriptorStore"),

@@ -1,24 +1,30 @@
-//! Helpers of the Kubernetes glue tests (`tests/kube_*.rs`): clients of the test cluster,
-//! applying manifests, waiting for a state, the glue's test settings, the in-process CSI
-//! controller.
+//! Helpers of the controller's tests: the in-process CSI controller (every suite), and for
+//! the Kubernetes glue tests (`tests/kube_*.rs`) clients of the test cluster, applying
+//! manifests, waiting for a state, the glue's test settings.
 
 // Each test binary uses its own part of these.
 #![allow(dead_code)]
 #![allow(clippy::unwrap_used)] // a test fails by panicking
 
 use controller_shim::backend::ustor::login::Timing;
+use controller_shim::backend::Backend;
 use controller_shim::kube::crd::MindUstorStorageConnection;
 use controller_shim::kube::crd::{
     FsType, MindUstorStorageClass, MindUstorStorageClassSpec, Phase, ReclaimPolicy,
     VolumeBindingMode,
 };
 use controller_shim::kube::{Glue, Settings};
+use controller_shim::provision::Nodes;
+use csi_proto::csi::controller_client::ControllerClient;
 use kube::api::{Api, PostParams};
 use kube::Client;
-use std::future::Future;
+use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use testkit::kube_cluster::KubeCluster;
+pub use testkit::wait::eventually;
+use tokio::task::JoinHandle;
+use tonic::transport::Channel;
 
 pub async fn client(cluster: &KubeCluster) -> Client {
     client_as(cluster, None).await
@@ -89,25 +95,6 @@ pub fn install_crds(cluster: &KubeCluster) {
     );
 }
 
-/// Polls `probe` until it gives a value, for at most `timeout`.
-pub async fn eventually<T, F, Fut>(what: &str, timeout: Duration, mut probe: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Option<T>>,
-{
-    let started = Instant::now();
-    loop {
-        if let Some(v) = probe().await {
-            return v;
-        }
-        assert!(
-            started.elapsed() < timeout,
-            "{what}: not within {timeout:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
-
 pub fn connection_yaml(name: &str) -> String {
     format!(
         "apiVersion: storage.deckhouse.io/v1alpha1\nkind: MindUstorStorageConnection\nmetadata:\n  name: {name}\n\
@@ -166,28 +153,28 @@ pub fn snapshot_class_crd() -> String {
     )
 }
 
-/// The CSI controller over `backend`, in process, checking nodes through the glue, as the
-/// sidecars reach it: its client and its task.
-pub async fn serve_csi(
-    backend: Arc<dyn controller_shim::backend::Backend>,
-    glue: &Glue,
-    dir: &std::path::Path,
-) -> (
-    csi_proto::csi::controller_client::ControllerClient<tonic::transport::Channel>,
-    tokio::task::JoinHandle<()>,
-) {
+/// The CSI controller over `backend`, in process on `dir/csi.sock`, as the sidecars reach it:
+/// its client and its task (abort it to stop the server). `metrics` is where it serves
+/// `/metrics`, `nodes` what checks a node before ControllerPublish.
+pub async fn serve_controller(
+    dir: &Path,
+    backend: Arc<dyn Backend>,
+    cluster_id: &str,
+    metrics: Option<tokio::net::TcpListener>,
+    nodes: Option<Arc<dyn Nodes>>,
+) -> (ControllerClient<Channel>, JoinHandle<()>) {
     let socket = dir.join("csi.sock");
-    let nodes: Arc<dyn controller_shim::provision::Nodes> = Arc::new(glue.nodes.clone());
     let server = {
         let socket = socket.clone();
+        let cluster_id = cluster_id.to_owned();
         tokio::spawn(async move {
             controller_shim::server::serve(
                 &socket,
                 backend,
-                "k8s".into(),
-                None,
+                cluster_id,
+                metrics,
                 Default::default(),
-                Some(nodes),
+                nodes,
                 std::future::pending(),
             )
             .await
@@ -195,10 +182,17 @@ pub async fn serve_csi(
         })
     };
     let channel = testkit::csi::wait_connect(&socket, Duration::from_secs(10)).await;
-    (
-        csi_proto::csi::controller_client::ControllerClient::new(channel),
-        server,
-    )
+    (ControllerClient::new(channel), server)
+}
+
+/// The CSI controller over `backend`, checking nodes through the glue (cluster id `k8s`).
+pub async fn serve_csi(
+    backend: Arc<dyn Backend>,
+    glue: &Glue,
+    dir: &Path,
+) -> (ControllerClient<Channel>, JoinHandle<()>) {
+    let nodes: Arc<dyn Nodes> = Arc::new(glue.nodes.clone());
+    serve_controller(dir, backend, "k8s", None, Some(nodes)).await
 }
 
 /// A CRD that only serves `kind` (no schema), standing in for another project's.

@@ -1,13 +1,16 @@
 //! A CSI client over a unix socket, as kubelet and the sidecars talk to the driver, and
-//! request builders for the usual shapes.
+//! request builders for the usual shapes: the node's as kubelet sends them, the controller's
+//! as the provisioning sidecars send them.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+use csi_proto::csi::controller_client::ControllerClient;
 use csi_proto::csi::identity_client::IdentityClient;
 use csi_proto::csi::node_client::NodeClient;
 use csi_proto::csi::volume_capability::access_mode::Mode;
 use csi_proto::csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume};
+use csi_proto::csi::volume_content_source::{SnapshotSource, Type as SourceType, VolumeSource};
 use csi_proto::csi::*;
 use hyper_util::rt::TokioIo;
 use tonic::transport::{Channel, Endpoint, Uri};
@@ -153,4 +156,127 @@ pub fn stats_request(volume: &str, path: &Path) -> NodeGetVolumeStatsRequest {
         volume_path: path.display().to_string(),
         staging_target_path: String::new(),
     }
+}
+
+/// At least `required` bytes, no limit.
+pub fn capacity(required: i64) -> Option<CapacityRange> {
+    Some(CapacityRange {
+        required_bytes: required,
+        limit_bytes: 0,
+    })
+}
+
+/// CreateVolume of `name` with at least `required` bytes for `cap`: no parameters, no source.
+pub fn create_volume_request(
+    name: &str,
+    required: i64,
+    cap: VolumeCapability,
+) -> CreateVolumeRequest {
+    CreateVolumeRequest {
+        name: name.into(),
+        capacity_range: capacity(required),
+        volume_capabilities: vec![cap],
+        ..Default::default()
+    }
+}
+
+/// A volume's content restored from the snapshot `snapshot_id`.
+pub fn from_snapshot(snapshot_id: &str) -> Option<VolumeContentSource> {
+    Some(VolumeContentSource {
+        r#type: Some(SourceType::Snapshot(SnapshotSource {
+            snapshot_id: snapshot_id.into(),
+        })),
+    })
+}
+
+/// A volume's content cloned from the volume `volume_id`.
+pub fn from_volume(volume_id: &str) -> Option<VolumeContentSource> {
+    Some(VolumeContentSource {
+        r#type: Some(SourceType::Volume(VolumeSource {
+            volume_id: volume_id.into(),
+        })),
+    })
+}
+
+/// CreateSnapshot `name` of the volume `source`, no parameters.
+pub fn snapshot_request(source: &str, name: &str) -> CreateSnapshotRequest {
+    CreateSnapshotRequest {
+        source_volume_id: source.into(),
+        name: name.into(),
+        parameters: HashMap::new(),
+    }
+}
+
+/// ControllerPublishVolume of `volume` to `node` for `cap`, read-write, no volume context.
+pub fn controller_publish_request(
+    volume: &str,
+    node: &str,
+    cap: VolumeCapability,
+) -> ControllerPublishVolumeRequest {
+    ControllerPublishVolumeRequest {
+        volume_id: volume.into(),
+        node_id: node.into(),
+        volume_capability: Some(cap),
+        ..Default::default()
+    }
+}
+
+pub fn controller_unpublish_request(volume: &str, node: &str) -> ControllerUnpublishVolumeRequest {
+    ControllerUnpublishVolumeRequest {
+        volume_id: volume.into(),
+        node_id: node.into(),
+    }
+}
+
+/// ControllerExpandVolume of `volume` to at least `required` bytes.
+pub fn controller_expand_request(
+    volume: &str,
+    required: i64,
+    cap: Option<VolumeCapability>,
+) -> ControllerExpandVolumeRequest {
+    ControllerExpandVolumeRequest {
+        volume_id: volume.into(),
+        capacity_range: capacity(required),
+        volume_capability: cap,
+    }
+}
+
+pub fn delete_volume_request(volume: &str) -> DeleteVolumeRequest {
+    DeleteVolumeRequest {
+        volume_id: volume.into(),
+    }
+}
+
+pub fn delete_snapshot_request(snapshot: &str) -> DeleteSnapshotRequest {
+    DeleteSnapshotRequest {
+        snapshot_id: snapshot.into(),
+    }
+}
+
+/// CreateVolume that must succeed: the volume made, or a panic naming the request's name.
+pub async fn created_volume(
+    ctrl: &mut ControllerClient<Channel>,
+    request: CreateVolumeRequest,
+) -> Volume {
+    let name = request.name.clone();
+    ctrl.create_volume(request)
+        .await
+        .unwrap_or_else(|e| panic!("CreateVolume {name}: {e:?}"))
+        .into_inner()
+        .volume
+        .unwrap_or_else(|| panic!("CreateVolume {name}: answered without a volume"))
+}
+
+/// CreateSnapshot `name` of `source` that must succeed: the snapshot made.
+pub async fn created_snapshot(
+    ctrl: &mut ControllerClient<Channel>,
+    source: &str,
+    name: &str,
+) -> Snapshot {
+    ctrl.create_snapshot(snapshot_request(source, name))
+        .await
+        .unwrap_or_else(|e| panic!("CreateSnapshot {name}: {e:?}"))
+        .into_inner()
+        .snapshot
+        .unwrap_or_else(|| panic!("CreateSnapshot {name}: answered without a snapshot"))
 }

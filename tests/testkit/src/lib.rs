@@ -16,6 +16,7 @@ pub mod sanity;
 mod server;
 pub mod tls;
 pub mod tls_proxy;
+pub mod wait;
 
 pub use direct::{pattern, AlignedBuf, DirectFile};
 pub use server::{Listen, NbdServer, ServerKind};

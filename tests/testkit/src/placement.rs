@@ -4,13 +4,13 @@
 use std::path::PathBuf;
 
 use csi_proto::csi::controller_client::ControllerClient;
-use csi_proto::csi::{
-    ControllerPublishVolumeRequest, ControllerUnpublishVolumeRequest, DeleteVolumeRequest, Volume,
-    VolumeCapability,
-};
+use csi_proto::csi::{Volume, VolumeCapability};
 use tonic::transport::Channel;
 
-use crate::csi::{publish_request, stage_request, unpublish_request, unstage_request, NodeClients};
+use crate::csi::{
+    controller_publish_request, controller_unpublish_request, delete_volume_request,
+    publish_request, stage_request, unpublish_request, unstage_request, NodeClients,
+};
 use crate::daemon::NodeDaemon;
 
 pub type Error = Box<dyn std::error::Error + Send + Sync>;
@@ -30,14 +30,11 @@ pub async fn place(
     volume: &Volume,
     capability: VolumeCapability,
 ) -> Result<Placed, Error> {
+    let mut request =
+        controller_publish_request(&volume.volume_id, &daemon.node_id, capability.clone());
+    request.volume_context = volume.volume_context.clone();
     let publish_context = ctrl
-        .controller_publish_volume(ControllerPublishVolumeRequest {
-            volume_id: volume.volume_id.clone(),
-            node_id: daemon.node_id.clone(),
-            volume_capability: Some(capability.clone()),
-            readonly: false,
-            volume_context: volume.volume_context.clone(),
-        })
+        .controller_publish_volume(request)
         .await?
         .into_inner()
         .publish_context;
@@ -91,14 +88,12 @@ pub async fn remove(
     node.node
         .node_unstage_volume(unstage_request(&placed.volume_id, &placed.staging))
         .await?;
-    ctrl.controller_unpublish_volume(ControllerUnpublishVolumeRequest {
-        volume_id: placed.volume_id.clone(),
-        node_id: daemon.node_id.clone(),
-    })
+    ctrl.controller_unpublish_volume(controller_unpublish_request(
+        &placed.volume_id,
+        &daemon.node_id,
+    ))
     .await?;
-    ctrl.delete_volume(DeleteVolumeRequest {
-        volume_id: placed.volume_id.clone(),
-    })
-    .await?;
+    ctrl.delete_volume(delete_volume_request(&placed.volume_id))
+        .await?;
     Ok(())
 }

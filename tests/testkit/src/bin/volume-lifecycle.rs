@@ -4,13 +4,11 @@
 //! expands, snapshots, restores into a larger volume, and tears everything down, printing each
 //! step and what the node's `status` command shows. Run by `tests/vm/run --demo` in the VM.
 
-use std::collections::HashMap;
 use std::path::Path;
 use std::process::Command;
 use std::time::Instant;
 
 use csi_proto::csi::volume_capability::access_mode::Mode;
-use csi_proto::csi::volume_content_source::{SnapshotSource, Type as SourceType};
 use csi_proto::csi::*;
 use testkit::controller::ControllerProcess;
 use testkit::csi::*;
@@ -50,15 +48,8 @@ fn capability() -> VolumeCapability {
 
 fn create(name: &str, bytes: i64, source: Option<VolumeContentSource>) -> CreateVolumeRequest {
     CreateVolumeRequest {
-        name: name.into(),
-        capacity_range: Some(CapacityRange {
-            required_bytes: bytes,
-            limit_bytes: 0,
-        }),
-        volume_capabilities: vec![capability()],
-        parameters: HashMap::new(),
         volume_content_source: source,
-        accessibility_requirements: None,
+        ..create_volume_request(name, bytes, capability())
     }
 }
 
@@ -100,14 +91,11 @@ async fn main() -> Result<(), Error> {
     println!("data intact after the restart");
 
     step("ControllerExpandVolume to 256 MiB, then NodeExpandVolume (through the staging path)");
-    ctrl.controller_expand_volume(ControllerExpandVolumeRequest {
-        volume_id: volume.volume_id.clone(),
-        capacity_range: Some(CapacityRange {
-            required_bytes: 256 * MIB,
-            limit_bytes: 0,
-        }),
-        volume_capability: Some(capability()),
-    })
+    ctrl.controller_expand_volume(controller_expand_request(
+        &volume.volume_id,
+        256 * MIB,
+        Some(capability()),
+    ))
     .await?;
     node.node
         .node_expand_volume(expand_request(
@@ -123,22 +111,17 @@ async fn main() -> Result<(), Error> {
     // SAFETY: sync(2) takes no arguments and cannot fail.
     unsafe { libc::sync() };
     let snap = ctrl
-        .create_snapshot(CreateSnapshotRequest {
-            source_volume_id: volume.volume_id.clone(),
-            name: "snap-demo".into(),
-            parameters: HashMap::new(),
-        })
+        .create_snapshot(snapshot_request(&volume.volume_id, "snap-demo"))
         .await?
         .into_inner()
         .snapshot
         .ok_or("snapshot")?;
-    let source = VolumeContentSource {
-        r#type: Some(SourceType::Snapshot(SnapshotSource {
-            snapshot_id: snap.snapshot_id.clone(),
-        })),
-    };
     let restored = ctrl
-        .create_volume(create("pvc-restored", 512 * MIB, Some(source)))
+        .create_volume(create(
+            "pvc-restored",
+            512 * MIB,
+            from_snapshot(&snap.snapshot_id),
+        ))
         .await?
         .into_inner()
         .volume
@@ -163,10 +146,8 @@ async fn main() -> Result<(), Error> {
     step("teardown: NodeUnpublish, NodeUnstage, ControllerUnpublish, DeleteVolume, DeleteSnapshot");
     remove(&mut ctrl, &mut node, &daemon, &placed_restored).await?;
     remove(&mut ctrl, &mut node, &daemon, &placed).await?;
-    ctrl.delete_snapshot(DeleteSnapshotRequest {
-        snapshot_id: snap.snapshot_id,
-    })
-    .await?;
+    ctrl.delete_snapshot(delete_snapshot_request(&snap.snapshot_id))
+        .await?;
     status(&daemon);
     assert!(daemon.journal_files().is_empty(), "no journal record left");
     println!(
