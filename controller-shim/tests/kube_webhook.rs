@@ -12,73 +12,21 @@ use controller_shim::kube::{Glue, Settings};
 use kube::api::{Api, Patch, PatchParams};
 use std::time::Duration;
 use testkit::kube_cluster::KubeCluster;
+use testkit::tls::TestPki;
 
 use common::*;
 
-/// A CA and a serving certificate for 127.0.0.1 signed by it, made with openssl in `dir`:
-/// (CA PEM, certificate path, key path).
-fn make_certificate(dir: &std::path::Path, tag: &str) -> (Vec<u8>, String, String) {
-    let path = |name: &str| dir.join(format!("{tag}-{name}")).display().to_string();
-    let run = |args: &[&str]| {
-        let out = std::process::Command::new("openssl")
-            .args(args)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "openssl {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    };
-    std::fs::write(path("ext"), "subjectAltName=IP:127.0.0.1\n").unwrap();
-    run(&[
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-days",
-        "1",
-        "-subj",
-        &format!("/CN={tag}-ca"),
-        "-keyout",
-        &path("ca.key"),
-        "-out",
-        &path("ca.crt"),
-    ]);
-    run(&[
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-subj",
-        "/CN=127.0.0.1",
-        "-keyout",
-        &path("tls.key"),
-        "-out",
-        &path("tls.csr"),
-    ]);
-    run(&[
-        "x509",
-        "-req",
-        "-in",
-        &path("tls.csr"),
-        "-CA",
-        &path("ca.crt"),
-        "-CAkey",
-        &path("ca.key"),
-        "-CAcreateserial",
-        "-days",
-        "1",
-        "-extfile",
-        &path("ext"),
-        "-out",
-        &path("tls.crt"),
-    ]);
+/// A CA and a serving certificate for 127.0.0.1 signed by it (testkit's PKI): the CA's PEM,
+/// the certificate and key files as `kubectl create secret tls` takes them, and the PKI that
+/// holds them.
+fn make_certificate(tag: &str) -> (Vec<u8>, String, String, TestPki) {
+    let pki = TestPki::new(&format!("{tag}-ca")).unwrap();
+    let path = |name: &str| pki.file(name).display().to_string();
     (
-        std::fs::read(path("ca.crt")).unwrap(),
-        path("tls.crt"),
-        path("tls.key"),
+        std::fs::read(pki.file("ca-cert.pem")).unwrap(),
+        path("server-cert.pem"),
+        path("server-key.pem"),
+        pki,
     )
 }
 
@@ -136,8 +84,7 @@ async fn the_webhook_refuses_what_the_guide_forbids_over_tls_with_a_renewed_cert
     let cluster = KubeCluster::start().unwrap();
     install_crds(&cluster);
     apply(&cluster, include_str!("../../deploy/namespace.yaml"));
-    let certs = tempfile::tempdir().unwrap();
-    let (ca, crt, key) = make_certificate(certs.path(), "first");
+    let (ca, crt, key, _pki) = make_certificate("first");
     let put_tls = |crt: &str, key: &str| {
         let yaml = cluster
             .kubectl(&[
@@ -159,11 +106,7 @@ async fn the_webhook_refuses_what_the_guide_forbids_over_tls_with_a_renewed_cert
         apply(&cluster, &String::from_utf8_lossy(&yaml.stdout));
     };
     put_tls(&crt, &key);
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = testkit::free_port().unwrap();
     let client = client(&cluster).await;
     let _glue = Glue::start(
         client.clone(),
@@ -299,7 +242,7 @@ async fn the_webhook_refuses_what_the_guide_forbids_over_tls_with_a_renewed_cert
     assert!(err.contains("cannot be changed"), "{err}");
 
     // A renewed certificate from another CA is served without a restart.
-    let (ca2, crt2, key2) = make_certificate(certs.path(), "second");
+    let (ca2, crt2, key2, _pki2) = make_certificate("second");
     put_tls(&crt2, &key2);
     apply(&cluster, &webhook_configuration(&url, &ca2));
     // (The resources' webhook fails closed: until the new certificate is served, the change
