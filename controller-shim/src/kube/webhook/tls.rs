@@ -41,10 +41,6 @@ impl CertSlot {
         *self.0.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(pair));
         Ok(())
     }
-
-    pub fn is_loaded(&self) -> bool {
-        self.0.read().unwrap_or_else(|p| p.into_inner()).is_some()
-    }
 }
 
 /// Keeps `slot` loaded from the Secret `name` until aborted.
