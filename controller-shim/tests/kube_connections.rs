@@ -2,7 +2,7 @@
 //! 1.20, built by tests/kube/build-apiserver), started by each test: MindUstorStorageConnection: what is wrong with it, the login rules, volumes per connection.
 //! Ignored in a plain `cargo test`; `tests/kube/run` runs them.
 
-#![allow(clippy::unwrap_used)] // a test fails by panicking
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test fails by panicking
 
 mod common;
 

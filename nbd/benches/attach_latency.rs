@@ -5,7 +5,7 @@
 //! size), so the work both clients leave to the kernel counts for both. Run it in the VM:
 //! `tests/vm/run --bench`. Needs root, the nbd module, nbdkit and nbd-client.
 
-#![allow(clippy::unwrap_used)] // a test fails by panicking
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a bench run fails by panicking
 
 use std::process::Command;
 use std::time::{Duration, Instant};

@@ -102,6 +102,8 @@ pub enum HandshakeError {
     },
     #[error("malformed reply from server: {0}")]
     Malformed(String),
+    #[error("option {option} would carry {len} bytes, more than its 32-bit length can say")]
+    OptionTooLong { option: u32, len: usize },
 }
 
 fn detail(message: &str) -> String {
@@ -231,7 +233,11 @@ where
 {
     let name = export.as_bytes();
     let mut data = Vec::with_capacity(name.len() + 8);
-    data.extend_from_slice(&(name.len() as u32).to_be_bytes());
+    let name_len = u32::try_from(name.len()).map_err(|_| HandshakeError::OptionTooLong {
+        option: opt::GO,
+        len: name.len(),
+    })?;
+    data.extend_from_slice(&name_len.to_be_bytes());
     data.extend_from_slice(name);
     data.extend_from_slice(&1u16.to_be_bytes());
     data.extend_from_slice(&info::BLOCK_SIZE.to_be_bytes());
@@ -388,7 +394,11 @@ where
     let mut buf = Vec::with_capacity(16 + data.len());
     buf.extend_from_slice(&IHAVEOPT.to_be_bytes());
     buf.extend_from_slice(&option.to_be_bytes());
-    buf.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    let len = u32::try_from(data.len()).map_err(|_| HandshakeError::OptionTooLong {
+        option,
+        len: data.len(),
+    })?;
+    buf.extend_from_slice(&len.to_be_bytes());
     buf.extend_from_slice(data);
     write_all(stream, &buf, "option request").await?;
     stream.flush().await.map_err(|source| HandshakeError::Io {
@@ -514,7 +524,10 @@ mod tests {
             self.0.write_u64(OPT_REPLY_MAGIC).await.unwrap();
             self.0.write_u32(option).await.unwrap();
             self.0.write_u32(kind).await.unwrap();
-            self.0.write_u32(data.len() as u32).await.unwrap();
+            self.0
+                .write_u32(u32::try_from(data.len()).unwrap())
+                .await
+                .unwrap();
             self.0.write_all(data).await.unwrap();
         }
     }

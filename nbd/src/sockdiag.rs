@@ -46,9 +46,13 @@ fn request(local: SocketAddr, peer: SocketAddr) -> Result<Vec<u8>, Error> {
         }
         out
     };
+    // AF_INET (2), AF_INET6 (10) and IPPROTO_TCP (6) are libc's `c_int` constants: they fit
+    // the request's u8 fields.
+    #[allow(clippy::cast_possible_truncation)]
+    let (family, protocol) = (family as u8, libc::IPPROTO_TCP as u8);
     let mut req = Vec::with_capacity(56);
-    req.push(family as u8); // sdiag_family
-    req.push(libc::IPPROTO_TCP as u8); // sdiag_protocol
+    req.push(family); // sdiag_family
+    req.push(protocol); // sdiag_protocol
     req.push(0); // idiag_ext
     req.push(0); // pad
     req.extend_from_slice(&u32::MAX.to_ne_bytes()); // idiag_states: any
@@ -202,7 +206,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(req.len(), 56, "sizeof(struct inet_diag_req_v2)");
-        assert_eq!(req[0], libc::AF_INET as u8);
+        assert_eq!(i32::from(req[0]), libc::AF_INET);
         assert_eq!(&req[8..10], &40000u16.to_be_bytes());
         assert_eq!(&req[10..12], &10809u16.to_be_bytes());
         assert_eq!(&req[12..16], &[10, 0, 0, 1]);

@@ -17,6 +17,8 @@ use nbd::{BackendId, DeviceIndex, NbdUri};
 use testkit::{pattern, DirectFile, Listen, NbdServer};
 
 const MIB: u64 = 1 << 20;
+/// [`MIB`] as a buffer length.
+const MIB_LEN: usize = 1 << 20;
 const RELEASE: Duration = Duration::from_secs(10);
 
 /// A sparse backing file for nbdkit's file plugin: what the server really stores, readable
@@ -115,7 +117,7 @@ async fn attach_over_tcp_and_unix_round_trips_data() {
             "none"
         );
         let device = dev(a.device.index());
-        round_trip(&device, &backing, n as u64, 0, MIB as usize);
+        round_trip(&device, &backing, n as u64, 0, MIB_LEN);
         round_trip(
             &device,
             &backing,
@@ -226,7 +228,7 @@ async fn four_connections_to_a_multi_conn_export() {
     std::thread::scope(|s| {
         for t in 0..4u64 {
             let (device, backing) = (&device, &backing);
-            s.spawn(move || round_trip(device, backing, 100 + t, t * 8 * MIB, 2 * MIB as usize));
+            s.spawn(move || round_trip(device, backing, 100 + t, t * 8 * MIB, 2 * MIB_LEN));
         }
     });
     detach(&nl, &a).await;
@@ -307,13 +309,13 @@ async fn link_loss_is_healed_without_io_errors() {
         .expect("writer thread panicked");
     result.expect("the writer saw no I/O error");
 
-    for offset in (0..TOTAL).step_by(MIB as usize) {
+    for offset in (0..TOTAL).step_by(MIB_LEN) {
         let want: Vec<u8> = (0..MIB)
             .step_by(CHUNK)
             .flat_map(|o| pattern(7, offset + o, CHUNK))
             .collect();
         assert!(
-            backing.read(offset, MIB as usize) == want,
+            backing.read(offset, MIB_LEN) == want,
             "data differs in the MiB at {offset}"
         );
     }
@@ -347,7 +349,7 @@ async fn link_loss_is_healed_without_io_errors() {
 async fn read_only_export_gives_a_read_only_device() {
     let nl = NbdNetlink::open().await.unwrap();
     let backing = Backing::new(8 * MIB);
-    std::fs::write(&backing.path, pattern(5, 0, 8 * MIB as usize)).unwrap();
+    std::fs::write(&backing.path, pattern(5, 0, 8 * MIB_LEN)).unwrap();
     let server = NbdServer::nbdkit(Listen::Unix, &["-r", "file", &backing.file_arg()]).unwrap();
     let a = attach(&nl, &server.uri(), "read-only").await;
     let index = a.device.index();

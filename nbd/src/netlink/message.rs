@@ -224,7 +224,10 @@ mod tests {
 
     /// One attribute as the kernel lays it out: little-endian length and type, payload, padding.
     fn nla(kind: u16, payload: &[u8]) -> Vec<u8> {
-        let mut v = ((4 + payload.len()) as u16).to_le_bytes().to_vec();
+        let mut v = u16::try_from(4 + payload.len())
+            .unwrap()
+            .to_le_bytes()
+            .to_vec();
         v.extend_from_slice(&kind.to_le_bytes());
         v.extend_from_slice(payload);
         while !v.len().is_multiple_of(4) {

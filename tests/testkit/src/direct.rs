@@ -54,7 +54,10 @@ pub fn pattern(seed: u64, offset: u64, len: usize) -> Vec<u8> {
             let x = (offset + i)
                 .wrapping_mul(0x9e37_79b9_7f4a_7c15)
                 .wrapping_add(seed.wrapping_mul(0xff51_afd7_ed55_8ccd));
-            (x >> 56) as u8 ^ (x >> 24) as u8
+            // Truncation wanted: the top byte mixed with one from the middle.
+            #[allow(clippy::cast_possible_truncation)]
+            let byte = (x >> 56) as u8 ^ (x >> 24) as u8;
+            byte
         })
         .collect()
 }

@@ -3,6 +3,10 @@
 //! Servers are real processes (nbdkit, qemu-nbd) on loopback or unix sockets: they can be killed
 //! and restarted at the same address to test link loss, which no in-process fake could show.
 
+// Test support: a set-up that cannot be made fails the test that asked for it, with the
+// reason in the panic.
+#![allow(clippy::expect_used)]
+
 pub mod controller;
 pub mod csi;
 pub mod daemon;

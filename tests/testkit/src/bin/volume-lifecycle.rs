@@ -21,16 +21,16 @@ fn step(what: &str) {
     println!("\n== {what}");
 }
 
-fn status(daemon: &NodeDaemon) {
+fn status(daemon: &NodeDaemon) -> Result<(), Error> {
     let out = Command::new(testkit::daemon::binary())
         .args(["status", "--state-dir"])
         .arg(&daemon.state_dir)
         .args(["--node-id", &daemon.node_id])
         .arg("--csi-endpoint")
         .arg(format!("unix://{}", daemon.socket.display()))
-        .output()
-        .expect("ustor-csi-node status");
+        .output()?;
     print!("{}", String::from_utf8_lossy(&out.stdout));
+    Ok(())
 }
 
 fn df(path: &Path) -> Result<String, Error> {
@@ -78,7 +78,7 @@ async fn main() -> Result<(), Error> {
 
     step("ControllerPublish, NodeStage (attach, format the blank device, mount), NodePublish");
     let placed = place(&mut ctrl, &mut node, &daemon, &volume, capability()).await?;
-    status(&daemon);
+    status(&daemon)?;
     let data = testkit::pattern(1, 0, 8 << 20);
     std::fs::write(placed.target.join("hello.bin"), &data)?;
     std::fs::File::open(placed.target.join("hello.bin"))?.sync_all()?;
@@ -132,7 +132,7 @@ async fn main() -> Result<(), Error> {
         "restored volume holds the data; {}",
         df(&placed_restored.target)?
     );
-    status(&daemon);
+    status(&daemon)?;
 
     step("NodeGetVolumeStats");
     let stats = node
@@ -148,7 +148,7 @@ async fn main() -> Result<(), Error> {
     remove(&mut ctrl, &mut node, &daemon, &placed).await?;
     ctrl.delete_snapshot(delete_snapshot_request(&snap.snapshot_id))
         .await?;
-    status(&daemon);
+    status(&daemon)?;
     assert!(daemon.journal_files().is_empty(), "no journal record left");
     println!(
         "\nvolume lifecycle finished in {:.1} s",
