@@ -6,23 +6,14 @@
 #![allow(clippy::unwrap_used)] // a test fails by panicking
 
 use std::path::Path;
-use std::time::{Duration, Instant};
-
-use csi_proto::csi::volume_capability::access_mode::Mode;
-use nbd::sysfs::Sysfs;
-use testkit::csi::*;
-use testkit::daemon::NodeDaemon;
-use testkit::{pattern, DirectFile, Listen};
-use tonic::Code;
 
 mod common;
-use common::*;
+use common::prelude::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "vm: needs root and the nbd module"]
 async fn expansion_never_shrinks_and_one_export_has_one_volume() {
-    let mut daemon = NodeDaemon::new("sizes", CONFIG).unwrap();
-    let mut c = daemon.start(None).await;
+    let (daemon, mut c) = start_node("sizes").await;
     let mut vol = Volume::new_on(&daemon, "shrunk", 64 * MIB, block(), Listen::Tcp);
     vol.up(&mut c).await;
     block_round_trip(&vol, 60 * MIB, 8);
@@ -63,8 +54,7 @@ async fn expansion_never_shrinks_and_one_export_has_one_volume() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "vm: needs root and the nbd module"]
 async fn read_only_means_read_only_for_block_volumes() {
-    let mut daemon = NodeDaemon::new("ro", CONFIG).unwrap();
-    let mut c = daemon.start(None).await;
+    let (daemon, mut c) = start_node("ro").await;
     let sysfs = Sysfs::default();
 
     // A read-only publish of a writable attachment: the device refuses writes meanwhile.
@@ -118,8 +108,7 @@ async fn read_only_means_read_only_for_block_volumes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "vm: needs root and the nbd module"]
 async fn xfs_clones_mount_beside_their_source() {
-    let mut daemon = NodeDaemon::new("clone", CONFIG).unwrap();
-    let mut c = daemon.start(None).await;
+    let (daemon, mut c) = start_node("clone").await;
     let cap = mount_capability("xfs", Mode::SingleNodeWriter);
     let source = Volume::new(&daemon, "xfs-source", 320 * MIB, cap.clone());
     source.up(&mut c).await;
@@ -141,8 +130,7 @@ async fn xfs_clones_mount_beside_their_source() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "vm: needs root and the nbd module"]
 async fn a_changed_io_scheduler_is_set_back_to_none() {
-    let mut daemon = NodeDaemon::new("sched", CONFIG).unwrap();
-    let mut c = daemon.start(None).await;
+    let (mut daemon, mut c) = start_node("sched").await;
     let vol = Volume::new(&daemon, "sched", 32 * MIB, block());
     vol.up(&mut c).await;
     let sysfs = Sysfs::default();
@@ -195,8 +183,7 @@ impl MountTableView {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "vm: needs root and the nbd module"]
 async fn a_symlinked_kubelet_directory_behaves_like_a_real_one() {
-    let mut daemon = NodeDaemon::new("symlink", CONFIG).unwrap();
-    let mut c = daemon.start(None).await;
+    let (mut daemon, mut c) = start_node("symlink").await;
     let real = daemon.scratch().join("data-disk/kubelet");
     std::fs::create_dir_all(&real).unwrap();
     let link = daemon.scratch().join("var-lib-kubelet");
@@ -235,9 +222,8 @@ async fn a_symlinked_kubelet_directory_behaves_like_a_real_one() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "vm: needs root and the nbd module"]
 async fn unknown_volumes_are_not_found_and_block_takes_the_guides_modes() {
-    let mut daemon = NodeDaemon::new("codes", CONFIG).unwrap();
-    let mut c = daemon.start(None).await;
-    // csi-sanity: an unknown volume is NOT_FOUND whatever else is wrong with the request.
+    let (daemon, mut c) = start_node("codes").await;
+    // csi-sanity: an unknown volume is NOT_FOUND, whatever its path.
     let err = c
         .node
         .node_get_volume_stats(csi_proto::csi::NodeGetVolumeStatsRequest {
@@ -250,8 +236,22 @@ async fn unknown_volumes_are_not_found_and_block_takes_the_guides_modes() {
     assert_eq!(err.code(), Code::NotFound, "{}", err.message());
     let mut expand = expand_request("nobody", Path::new("/x"), Path::new("/y"), 0);
     expand.volume_path = "relative".into();
-    let err = c.node.node_expand_volume(expand).await.unwrap_err();
+    let err = c.node.node_expand_volume(expand.clone()).await.unwrap_err();
     assert_eq!(err.code(), Code::NotFound, "{}", err.message());
+    // csi-sanity: but a missing path is a malformed request, checked before the volume.
+    let err = c
+        .node
+        .node_get_volume_stats(csi_proto::csi::NodeGetVolumeStatsRequest {
+            volume_id: "nobody".into(),
+            volume_path: String::new(),
+            staging_target_path: String::new(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{}", err.message());
+    expand.volume_path = String::new();
+    let err = c.node.node_expand_volume(expand).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{}", err.message());
 
     // Block volumes: ReadWriteOncePod or ReadWriteMany; the refusal says what to use.
     let vol = Volume::new(&daemon, "rwo-block", 16 * MIB, block());
@@ -279,8 +279,7 @@ async fn unknown_volumes_are_not_found_and_block_takes_the_guides_modes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "vm: needs root and the nbd module"]
 async fn a_unix_socket_export_grows_through_held_connections_and_never_beyond_them() {
-    let mut daemon = NodeDaemon::new("unserved", CONFIG).unwrap();
-    let mut c = daemon.start(None).await;
+    let (mut daemon, mut c) = start_node("unserved").await;
     // nbdkit serves each connection the size it had at the handshake. Over a unix socket the
     // daemon replaces a device's connections through the copies it holds of them.
     let vol = Volume::new(&daemon, "unix-grow", 64 * MIB, ext4()).with_connections(2);

@@ -5,16 +5,8 @@
 
 #![allow(clippy::unwrap_used)] // a test fails by panicking
 
-use std::time::Duration;
-
-use csi_proto::csi::volume_capability::access_mode::Mode;
-use testkit::csi::*;
-use testkit::daemon::NodeDaemon;
-use testkit::{pattern, Listen};
-use tonic::Code;
-
 mod common;
-use common::*;
+use common::prelude::*;
 
 /// Arms `point`, makes `stage` hit it, and waits for the daemon to die there.
 async fn crash_stage_at(daemon: &mut NodeDaemon, vol: &Volume, point: &str) {
@@ -29,8 +21,7 @@ async fn crash_stage_at(daemon: &mut NodeDaemon, vol: &Volume, point: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "vm: needs root and the nbd module"]
 async fn a_stage_that_fails_for_good_leaves_nothing_behind() {
-    let mut daemon = NodeDaemon::new("undo", CONFIG).unwrap();
-    let mut c = daemon.start(None).await;
+    let (daemon, mut c) = start_node("undo").await;
 
     // The volume holds another filesystem than the one asked for.
     let wrong_fs = Volume::new(
@@ -190,8 +181,7 @@ async fn an_expansion_cut_short_by_a_reboot_is_finished_by_the_next_stage() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "vm: needs root and the nbd module"]
 async fn publish_mounts_a_lost_staging_mount_and_unstage_forgets_stale_targets() {
-    let mut daemon = NodeDaemon::new("paths", CONFIG).unwrap();
-    let mut c = daemon.start(None).await;
+    let (daemon, mut c) = start_node("paths").await;
     let vol = Volume::new(&daemon, "remount", 64 * MIB, ext4());
     vol.up(&mut c).await;
     write_and_check_file(&vol.target, "kept", MIB as usize, 6);
@@ -211,8 +201,7 @@ async fn publish_mounts_a_lost_staging_mount_and_unstage_forgets_stale_targets()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "vm: needs root and the nbd module"]
 async fn a_rebuilt_record_takes_the_staging_path_kubelet_gives() {
-    let mut daemon = NodeDaemon::new("rebuilt", CONFIG).unwrap();
-    let mut c = daemon.start(None).await;
+    let (mut daemon, mut c) = start_node("rebuilt").await;
     let vol = Volume::new(&daemon, "rebuilt-vol", 64 * MIB, ext4());
     vol.up(&mut c).await;
     write_and_check_file(&vol.target, "kept", MIB as usize, 14);

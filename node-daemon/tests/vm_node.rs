@@ -7,25 +7,17 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
-use csi_proto::csi::volume_capability::access_mode::Mode;
 use csi_proto::csi::{NodeGetCapabilitiesRequest, NodeGetInfoRequest};
 use mounts::MountTable;
-use nbd::sysfs::Sysfs;
-use testkit::csi::*;
-use testkit::daemon::NodeDaemon;
-use testkit::{pattern, DirectFile, Listen, NbdServer};
-use tonic::Code;
 
 mod common;
-use common::*;
+use common::prelude::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "vm: needs root and the nbd module"]
 async fn lifecycle_ext4_xfs_and_block_leaves_nothing_behind() {
-    let mut daemon = NodeDaemon::new("life", CONFIG).unwrap();
-    let mut c = daemon.start(None).await;
+    let (daemon, mut c) = start_node("life").await;
 
     let caps = c
         .node
@@ -125,8 +117,7 @@ async fn lifecycle_ext4_xfs_and_block_leaves_nothing_behind() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "vm: needs root and the nbd module"]
 async fn seed_v021_unstage_after_restart_detaches_only_its_own_device() {
-    let mut daemon = NodeDaemon::new("v021", CONFIG).unwrap();
-    let mut c = daemon.start(None).await;
+    let (mut daemon, mut c) = start_node("v021").await;
     let first = Volume::new(
         &daemon,
         "blk-first",
@@ -170,8 +161,7 @@ async fn seed_v021_unstage_after_restart_detaches_only_its_own_device() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "vm: needs root and the nbd module"]
 async fn seed_v022_expand_after_restart_uses_the_staging_path() {
-    let mut daemon = NodeDaemon::new("v022", CONFIG).unwrap();
-    let mut c = daemon.start(None).await;
+    let (mut daemon, mut c) = start_node("v022").await;
     let fs_vol = Volume::new_on(&daemon, "grow-ext4", 64 * MIB, ext4(), Listen::Tcp);
     let blk_vol = Volume::new_on(&daemon, "grow-block", 64 * MIB, block(), Listen::Tcp);
     fs_vol.up(&mut c).await;
@@ -219,8 +209,7 @@ async fn seed_v022_expand_after_restart_uses_the_staging_path() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "vm: needs root and the nbd module"]
 async fn kill_9_under_load_loses_no_io() {
-    let mut daemon = NodeDaemon::new("load", CONFIG).unwrap();
-    let mut c = daemon.start(None).await;
+    let (mut daemon, mut c) = start_node("load").await;
     let vol = Volume::new(&daemon, "busy", 128 * MIB, ext4());
     vol.up(&mut c).await;
 
@@ -365,8 +354,7 @@ async fn crash_at_every_journal_step_converges() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "vm: needs root and the nbd module"]
 async fn server_restart_is_healed_and_reported_in_stats() {
-    let mut daemon = NodeDaemon::new("heal", CONFIG).unwrap();
-    let mut c = daemon.start(None).await;
+    let (daemon, mut c) = start_node("heal").await;
     let mut vol = Volume::new(&daemon, "flaky", 64 * MIB, block());
     vol.up(&mut c).await;
     let condition = |c: &mut NodeClients, vol: &Volume| {
@@ -514,8 +502,7 @@ async fn rwx_block_is_staged_on_two_nodes_rwx_mount_is_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "vm: needs root and the nbd module"]
 async fn bad_input_gets_the_spec_code_and_changes_nothing() {
-    let mut daemon = NodeDaemon::new("bad", CONFIG).unwrap();
-    let mut c = daemon.start(None).await;
+    let (daemon, mut c) = start_node("bad").await;
     let vol = Volume::new(&daemon, "good", 16 * MIB, ext4());
     let uri = vol.uri();
     let staging = vol.staging.clone();
@@ -676,8 +663,7 @@ async fn bad_input_gets_the_spec_code_and_changes_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "vm: needs root and the nbd module"]
 async fn data_is_never_reformatted_restored_volumes_grow_readonly_is_honoured() {
-    let mut daemon = NodeDaemon::new("fsguard", CONFIG).unwrap();
-    let mut c = daemon.start(None).await;
+    let (daemon, mut c) = start_node("fsguard").await;
     let mut cap = ext4();
     if let Some(csi_proto::csi::volume_capability::AccessType::Mount(m)) = cap.access_type.as_mut()
     {
@@ -799,8 +785,7 @@ async fn a_second_call_on_a_busy_volume_is_aborted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "vm: needs root and the nbd module"]
 async fn a_torn_record_is_quarantined_and_rebuilt_from_kernel_facts() {
-    let mut daemon = NodeDaemon::new("torn", CONFIG).unwrap();
-    let mut c = daemon.start(None).await;
+    let (mut daemon, mut c) = start_node("torn").await;
     let vol = Volume::new(&daemon, "torn-vol", 64 * MIB, ext4());
     vol.up(&mut c).await;
     write_and_check_file(&vol.target, "before", MIB as usize, 8);
@@ -837,8 +822,7 @@ async fn a_torn_record_is_quarantined_and_rebuilt_from_kernel_facts() {
 async fn links_the_kernel_drops_or_the_network_swallows_are_healed() {
     const TOTAL: u64 = 24 * MIB;
     const CHUNK: usize = 64 * 1024;
-    let mut daemon = NodeDaemon::new("drops", CONFIG).unwrap();
-    let mut c = daemon.start(None).await;
+    let (daemon, mut c) = start_node("drops").await;
     let backing = daemon.scratch().join("drops.img");
     std::fs::File::create(&backing)
         .unwrap()
@@ -966,8 +950,7 @@ async fn heal_wait(
 async fn a_device_lost_or_taken_over_is_reported_and_never_detached() {
     use nbd::attach::{self, AttachOptions};
     use nbd::netlink::NbdNetlink;
-    let mut daemon = NodeDaemon::new("owner", CONFIG).unwrap();
-    let mut c = daemon.start(None).await;
+    let (daemon, mut c) = start_node("owner").await;
     let vol = Volume::new(&daemon, "victim", 32 * MIB, block());
     vol.up(&mut c).await;
     let index = vol.device(&daemon).unwrap();

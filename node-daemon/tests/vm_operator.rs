@@ -4,16 +4,11 @@
 
 #![allow(clippy::unwrap_used)] // a test fails by panicking
 
-use std::time::{Duration, Instant};
-
 use nbd::netlink::NbdNetlink;
-use nbd::sysfs::Sysfs;
 use nbd::BackendId;
-use testkit::daemon::NodeDaemon;
-use testkit::Listen;
 
 mod common;
-use common::*;
+use common::prelude::*;
 
 /// The fields of one entry in the journal's native protocol: `NAME=value` lines, or `NAME`,
 /// a 64-bit little-endian length and that many bytes of value.
@@ -146,8 +141,7 @@ async fn systemd_hears_ready_status_and_watchdog_keep_alives() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "vm: needs root and the nbd module"]
 async fn status_names_every_disagreement_and_exits_accordingly() {
-    let mut daemon = NodeDaemon::new("status", CONFIG).unwrap();
-    let mut c = daemon.start(None).await;
+    let (mut daemon, mut c) = start_node("status").await;
     let fs_vol = Volume::new_on(&daemon, "st-fs", 64 * MIB, ext4(), Listen::Tcp);
     let blk_vol = Volume::new(&daemon, "st-blk", 32 * MIB, block());
     fs_vol.up(&mut c).await;
@@ -272,8 +266,7 @@ fn repair_of(daemon: &NodeDaemon, apply: bool) -> (i32, String) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "vm: needs root and the nbd module"]
 async fn repair_cleans_what_status_flags_and_nothing_else() {
-    let mut daemon = NodeDaemon::new("repair", CONFIG).unwrap();
-    let mut c = daemon.start(None).await;
+    let (mut daemon, mut c) = start_node("repair").await;
     let unrecorded = Volume::new(&daemon, "rp-unrecorded", 32 * MIB, block());
     let gone = Volume::new(&daemon, "rp-gone", 32 * MIB, block());
     let in_use = Volume::new(&daemon, "rp-in-use", 32 * MIB, block());

@@ -5,23 +5,15 @@
 
 #![allow(clippy::unwrap_used)] // a test fails by panicking
 
-use std::time::{Duration, Instant};
-
 use csi_proto::csi::ProbeRequest;
-use nbd::sysfs::Sysfs;
-use testkit::csi::*;
-use testkit::daemon::NodeDaemon;
-use testkit::{kernel_io_errors, pattern, DirectFile, Listen};
-use tonic::Code;
 
 mod common;
-use common::*;
+use common::prelude::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "vm: needs root and the nbd module"]
 async fn unstage_during_an_outage_waits_for_the_heal_and_loses_nothing() {
-    let mut daemon = NodeDaemon::new("outage", CONFIG).unwrap();
-    let mut c = daemon.start(None).await;
+    let (daemon, mut c) = start_node("outage").await;
     let mut vol = Volume::new(&daemon, "dirty", 64 * MIB, ext4());
     let other = Volume::new(&daemon, "bystander", 32 * MIB, block());
     vol.up(&mut c).await;
@@ -92,8 +84,7 @@ async fn unstage_during_an_outage_waits_for_the_heal_and_loses_nothing() {
 async fn a_link_that_died_while_the_daemon_was_down_is_reported_and_healed() {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
-    let mut daemon = NodeDaemon::new("unheard", CONFIG).unwrap();
-    let mut c = daemon.start(None).await;
+    let (mut daemon, mut c) = start_node("unheard").await;
     let mut vol = Volume::new_on(&daemon, "unheard", 64 * MIB, block(), Listen::Tcp);
     vol.up(&mut c).await;
     let done = Arc::new(AtomicBool::new(false));

@@ -17,11 +17,31 @@ use testkit::csi::*;
 use testkit::daemon::NodeDaemon;
 use testkit::{pattern, DirectFile, Listen, NbdServer};
 
+/// What the suites import, in one line: `use common::prelude::*;`.
+#[allow(unused_imports)] // unused in the suites that name their imports one by one
+pub mod prelude {
+    pub use super::*;
+    pub use csi_proto::csi::volume_capability::access_mode::Mode;
+    pub use nbd::sysfs::Sysfs;
+    pub use std::time::{Duration, Instant};
+    pub use testkit::csi::*;
+    pub use testkit::daemon::NodeDaemon;
+    pub use testkit::{kernel_io_errors, pattern, DirectFile, Listen, NbdServer};
+    pub use tonic::Code;
+}
+
 pub const MIB: u64 = 1 << 20;
 
 /// Short timeouts so healing and requeues happen within a test's patience.
 pub const CONFIG: &str =
     "io-timeout-secs = 4\ndead-conn-timeout-secs = 30\ndial-timeout-secs = 5\n";
+
+/// A node daemon named `name` with [`CONFIG`], started, and its clients.
+pub async fn start_node(name: &str) -> (NodeDaemon, NodeClients) {
+    let mut daemon = NodeDaemon::new(name, CONFIG).unwrap();
+    let clients = daemon.start(None).await;
+    (daemon, clients)
+}
 
 /// One volume: a sparse backing file served by nbdkit, and kubelet-shaped paths.
 pub struct Volume {
