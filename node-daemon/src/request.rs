@@ -158,6 +158,24 @@ pub fn abs_path(field: &'static str, raw: &str) -> Result<PathBuf, RequestError>
 /// `/var/lib/kubelet` moved to a data disk) while the mount table shows resolved paths:
 /// comparing unresolved paths would stack mounts and take our own mounts for foreign ones.
 /// A directory that does not exist yet is left as given.
+/// A path that only names which of a volume's paths a call means (NodeGetVolumeStats,
+/// NodeExpandVolume): it must be given, but is never acted on, so a relative or unknown one is
+/// simply not the volume's path (NOT_FOUND, as the spec has it), not a malformed request.
+pub fn lookup_path(field: &'static str, raw: &str) -> Result<PathBuf, RequestError> {
+    if raw.is_empty() {
+        return Err(RequestError::Missing { field });
+    }
+    if raw.contains('\0') || raw.len() > 4096 {
+        return Err(RequestError::UnusablePath { field });
+    }
+    let path = PathBuf::from(raw);
+    Ok(if path.is_absolute() {
+        resolved(path)
+    } else {
+        path
+    })
+}
+
 pub fn resolved(path: PathBuf) -> PathBuf {
     let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
         return path;
@@ -345,6 +363,25 @@ mod tests {
         for bad in ["", "relative/x", "/a/../b", "/a/./b", "/a\0b"] {
             assert!(abs_path("staging_target_path", bad).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn a_lookup_path_must_be_given_but_may_be_relative() {
+        assert!(matches!(
+            lookup_path("volume_path", ""),
+            Err(RequestError::Missing {
+                field: "volume_path"
+            })
+        ));
+        assert!(matches!(
+            lookup_path("volume_path", "/a\0b"),
+            Err(RequestError::UnusablePath { .. })
+        ));
+        // Not a path of any volume (they are absolute), so the lookup finds nothing: NOT_FOUND.
+        assert_eq!(
+            lookup_path("volume_path", "some/path").unwrap(),
+            PathBuf::from("some/path")
+        );
     }
 
     fn ctx(pairs: &[(&str, &str)]) -> HashMap<String, String> {

@@ -15,7 +15,9 @@ use crate::config::TOPOLOGY_KEY;
 use crate::error::NodeError;
 use crate::ids::VolumeId;
 use crate::node::Node;
-use crate::request::{abs_path, capability, export, has_export, resolved, RequestError};
+use crate::request::{
+    abs_path, capability, export, has_export, lookup_path, resolved, RequestError,
+};
 use crate::service::codes::{self, Rpc as Call};
 use crate::volumes::{ExpandRequest, PublishRequest, StageRequest, Usage};
 
@@ -158,9 +160,10 @@ impl NodeApi for NodeService {
         let r = request.into_inner();
         self.call(Call::NodeGetVolumeStats, &r.volume_id, async {
             let volume = VolumeId::parse(&r.volume_id)?;
-            // An unknown volume is NOT_FOUND whatever else is wrong with the request.
+            // A missing field is INVALID_ARGUMENT; then an unknown volume is NOT_FOUND, and so
+            // is a path that is not the volume's.
+            let path = lookup_path("volume_path", &r.volume_path)?;
             self.node.require_known(&volume)?;
-            let path = resolved(abs_path("volume_path", &r.volume_path)?);
             let stats = self.node.stats(&volume, &path).await?;
             let usage = match stats.usage {
                 Usage::Filesystem(u) => vec![
@@ -209,10 +212,11 @@ impl NodeApi for NodeService {
                 capability(Some(cap))?;
             }
             let volume = VolumeId::parse(&r.volume_id)?;
+            let volume_path = lookup_path("volume_path", &r.volume_path)?;
             self.node.require_known(&volume)?;
             let req = ExpandRequest {
                 volume,
-                volume_path: resolved(abs_path("volume_path", &r.volume_path)?),
+                volume_path,
                 required_bytes: required.filter(|b| *b > 0).map(|b| b as u64),
             };
             let bytes = self.node.expand(req).await?;
