@@ -23,6 +23,9 @@ use nbd::{BackendId, DeviceIndex, NbdUri};
 
 use crate::blockdev::BlockdevError;
 
+#[cfg(test)]
+pub(crate) mod fake;
+
 /// The kernel's nbd driver and the exports it is fed from. A [`ProvenDevice`] is made only by
 /// [`Kernel::prove`] and [`Kernel::find`] (and an attach): acting on a device still needs proof.
 #[tonic::async_trait]
