@@ -127,63 +127,33 @@ impl NodeForward {
     }
 }
 
-#[tonic::async_trait]
-impl Node for NodeForward {
-    async fn node_stage_volume(
-        &self,
-        r: Request<NodeStageVolumeRequest>,
-    ) -> Result<Response<NodeStageVolumeResponse>, Status> {
-        self.client().node_stage_volume(r.into_inner()).await
-    }
+/// `impl Node for NodeForward`: each RPC `name: Request -> Response` sends the request on to
+/// the daemon and hands back its answer, status included.
+macro_rules! forward_node {
+    ($($rpc:ident: $request:ident -> $response:ident),* $(,)?) => {
+        #[tonic::async_trait]
+        impl Node for NodeForward {
+            $(
+                async fn $rpc(
+                    &self,
+                    r: Request<$request>,
+                ) -> Result<Response<$response>, Status> {
+                    self.client().$rpc(r.into_inner()).await
+                }
+            )*
+        }
+    };
+}
 
-    async fn node_unstage_volume(
-        &self,
-        r: Request<NodeUnstageVolumeRequest>,
-    ) -> Result<Response<NodeUnstageVolumeResponse>, Status> {
-        self.client().node_unstage_volume(r.into_inner()).await
-    }
-
-    async fn node_publish_volume(
-        &self,
-        r: Request<NodePublishVolumeRequest>,
-    ) -> Result<Response<NodePublishVolumeResponse>, Status> {
-        self.client().node_publish_volume(r.into_inner()).await
-    }
-
-    async fn node_unpublish_volume(
-        &self,
-        r: Request<NodeUnpublishVolumeRequest>,
-    ) -> Result<Response<NodeUnpublishVolumeResponse>, Status> {
-        self.client().node_unpublish_volume(r.into_inner()).await
-    }
-
-    async fn node_get_volume_stats(
-        &self,
-        r: Request<NodeGetVolumeStatsRequest>,
-    ) -> Result<Response<NodeGetVolumeStatsResponse>, Status> {
-        self.client().node_get_volume_stats(r.into_inner()).await
-    }
-
-    async fn node_expand_volume(
-        &self,
-        r: Request<NodeExpandVolumeRequest>,
-    ) -> Result<Response<NodeExpandVolumeResponse>, Status> {
-        self.client().node_expand_volume(r.into_inner()).await
-    }
-
-    async fn node_get_capabilities(
-        &self,
-        r: Request<NodeGetCapabilitiesRequest>,
-    ) -> Result<Response<NodeGetCapabilitiesResponse>, Status> {
-        self.client().node_get_capabilities(r.into_inner()).await
-    }
-
-    async fn node_get_info(
-        &self,
-        r: Request<NodeGetInfoRequest>,
-    ) -> Result<Response<NodeGetInfoResponse>, Status> {
-        self.client().node_get_info(r.into_inner()).await
-    }
+forward_node! {
+    node_stage_volume: NodeStageVolumeRequest -> NodeStageVolumeResponse,
+    node_unstage_volume: NodeUnstageVolumeRequest -> NodeUnstageVolumeResponse,
+    node_publish_volume: NodePublishVolumeRequest -> NodePublishVolumeResponse,
+    node_unpublish_volume: NodeUnpublishVolumeRequest -> NodeUnpublishVolumeResponse,
+    node_get_volume_stats: NodeGetVolumeStatsRequest -> NodeGetVolumeStatsResponse,
+    node_expand_volume: NodeExpandVolumeRequest -> NodeExpandVolumeResponse,
+    node_get_capabilities: NodeGetCapabilitiesRequest -> NodeGetCapabilitiesResponse,
+    node_get_info: NodeGetInfoRequest -> NodeGetInfoResponse,
 }
 
 /// The outcome of one csi-sanity run, from its JSON report: every spec's full name by state
