@@ -8,8 +8,9 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use axum::extract::{Path, State};
+use axum::extract::{Path, Request, State};
 use axum::http::{HeaderMap, StatusCode};
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -46,7 +47,6 @@ impl FakeUstor {
     pub async fn start() -> std::io::Result<Self> {
         let inner = Arc::new(Inner::default());
         let app = Router::new()
-            .route("/api/v1/auth/login", post(login))
             .route("/api/v1/pools/{pool}", get(pool))
             .route("/api/v1/pools/{pool}/images", post(create_image))
             .route(
@@ -62,6 +62,12 @@ impl FakeUstor {
                 "/api/v1/pools/{pool}/snapshots/{name}",
                 get(get_snapshot).delete(delete_snapshot),
             )
+            // Every route above needs a token; the login below gives them out.
+            .route_layer(middleware::from_fn_with_state(
+                Arc::clone(&inner),
+                require_token,
+            ))
+            .route("/api/v1/auth/login", post(login))
             .with_state(Arc::clone(&inner));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
@@ -169,8 +175,13 @@ fn take(map: &Mutex<HashMap<String, Value>>, key: &str, what: &str) -> Response 
     }
 }
 
-fn expired() -> Response {
-    error(StatusCode::UNAUTHORIZED, "TokenExpired", "log in again")
+/// A call without a token the login gave out is answered 401 `TokenExpired`.
+async fn require_token(State(s): St, request: Request, next: Next) -> Response {
+    if authorized(&s, request.headers()) {
+        next.run(request).await
+    } else {
+        error(StatusCode::UNAUTHORIZED, "TokenExpired", "log in again")
+    }
 }
 
 async fn login(State(s): St, Json(body): Json<Value>) -> Response {
@@ -195,24 +206,13 @@ async fn login(State(s): St, Json(body): Json<Value>) -> Response {
     }
 }
 
-async fn pool(State(s): St, headers: HeaderMap, Path(pool): Path<String>) -> Response {
-    if !authorized(&s, &headers) {
-        return expired();
-    }
+async fn pool(Path(pool): Path<String>) -> Response {
     // Pools differ, so a test can tell which one was asked.
     let free: u64 = if pool == "data" { 1 << 39 } else { 1 << 38 };
     Json(json!({"name": pool, "totalBytes": 1u64 << 40, "freeBytes": free})).into_response()
 }
 
-async fn create_image(
-    State(s): St,
-    headers: HeaderMap,
-    Path(pool): Path<String>,
-    Json(body): Json<Value>,
-) -> Response {
-    if !authorized(&s, &headers) {
-        return expired();
-    }
+async fn create_image(State(s): St, Path(pool): Path<String>, Json(body): Json<Value>) -> Response {
     let name = body["name"].as_str().unwrap_or_default().to_owned();
     let Some(size) = body["sizeBytes"].as_u64() else {
         return error(
@@ -233,26 +233,15 @@ async fn create_image(
     (StatusCode::CREATED, Json(image)).into_response()
 }
 
-async fn get_image(
-    State(s): St,
-    headers: HeaderMap,
-    Path((pool, name)): Path<(String, String)>,
-) -> Response {
-    if !authorized(&s, &headers) {
-        return expired();
-    }
+async fn get_image(State(s): St, Path((pool, name)): Path<(String, String)>) -> Response {
     fetch(&s.images, &format!("{pool}/{name}"), "image")
 }
 
 async fn patch_image(
     State(s): St,
-    headers: HeaderMap,
     Path((pool, name)): Path<(String, String)>,
     Json(body): Json<Value>,
 ) -> Response {
-    if !authorized(&s, &headers) {
-        return expired();
-    }
     let mut images = s.images.lock().unwrap_or_else(|p| p.into_inner());
     let Some(image) = images.get_mut(&format!("{pool}/{name}")) else {
         return error(StatusCode::NOT_FOUND, "NotFound", "no such image");
@@ -273,26 +262,15 @@ async fn patch_image(
     Json(image.clone()).into_response()
 }
 
-async fn delete_image(
-    State(s): St,
-    headers: HeaderMap,
-    Path((pool, name)): Path<(String, String)>,
-) -> Response {
-    if !authorized(&s, &headers) {
-        return expired();
-    }
+async fn delete_image(State(s): St, Path((pool, name)): Path<(String, String)>) -> Response {
     take(&s.images, &format!("{pool}/{name}"), "image")
 }
 
 async fn create_snapshot(
     State(s): St,
-    headers: HeaderMap,
     Path((pool, image)): Path<(String, String)>,
     Json(body): Json<Value>,
 ) -> Response {
-    if !authorized(&s, &headers) {
-        return expired();
-    }
     let Some(source) = s
         .images
         .lock()
@@ -313,10 +291,7 @@ async fn create_snapshot(
     (StatusCode::CREATED, Json(snap)).into_response()
 }
 
-async fn list_snapshots(State(s): St, headers: HeaderMap, Path(pool): Path<String>) -> Response {
-    if !authorized(&s, &headers) {
-        return expired();
-    }
+async fn list_snapshots(State(s): St, Path(pool): Path<String>) -> Response {
     let snaps: Vec<Value> = s
         .snapshots
         .lock()
@@ -328,24 +303,10 @@ async fn list_snapshots(State(s): St, headers: HeaderMap, Path(pool): Path<Strin
     Json(json!({"snapshots": snaps})).into_response()
 }
 
-async fn get_snapshot(
-    State(s): St,
-    headers: HeaderMap,
-    Path((pool, name)): Path<(String, String)>,
-) -> Response {
-    if !authorized(&s, &headers) {
-        return expired();
-    }
+async fn get_snapshot(State(s): St, Path((pool, name)): Path<(String, String)>) -> Response {
     fetch(&s.snapshots, &format!("{pool}/{name}"), "snapshot")
 }
 
-async fn delete_snapshot(
-    State(s): St,
-    headers: HeaderMap,
-    Path((pool, name)): Path<(String, String)>,
-) -> Response {
-    if !authorized(&s, &headers) {
-        return expired();
-    }
+async fn delete_snapshot(State(s): St, Path((pool, name)): Path<(String, String)>) -> Response {
     take(&s.snapshots, &format!("{pool}/{name}"), "snapshot")
 }
