@@ -206,7 +206,7 @@ impl Healer {
                 match outcome {
                     Ok(healed) => {
                         if healed && dead {
-                            tracing::info!(%volume, attempts, downtime_ms = since.elapsed().as_millis() as u64, "link healed");
+                            tracing::info!(%volume, attempts, downtime_ms = millis(since.elapsed()), "link healed");
                         } else if healed {
                             tracing::debug!(%volume, "connections refreshed");
                         }
@@ -292,4 +292,9 @@ impl Drop for AbortOnDrop {
     fn drop(&mut self) {
         self.0.abort();
     }
+}
+
+/// Milliseconds for a log field (a duration past `u64::MAX` ms is not one a node lives to see).
+pub(crate) fn millis(d: std::time::Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }

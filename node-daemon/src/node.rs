@@ -387,9 +387,11 @@ pub(crate) fn device_numbers(path: &Path) -> Option<(u32, u32)> {
         return None;
     }
     let rdev = meta.rdev();
+    // The kernel's dev_t has a 12-bit major and a 20-bit minor: both fit; a number that did
+    // not could name no device the mount table shows.
     Some((
-        nix::sys::stat::major(rdev) as u32,
-        nix::sys::stat::minor(rdev) as u32,
+        u32::try_from(nix::sys::stat::major(rdev)).ok()?,
+        u32::try_from(nix::sys::stat::minor(rdev)).ok()?,
     ))
 }
 

@@ -77,7 +77,7 @@ pub async fn run(settings: Settings) -> Result<()> {
         rebuilt = report.rebuilt.len(),
         quarantined = report.quarantined.len(),
         unreconciled = report.unreconciled.len(),
-        elapsed_ms = started.elapsed().as_millis() as u64,
+        elapsed_ms = crate::healer::millis(started.elapsed()),
         "recovery finished; ready"
     );
     for problem in &report.unreconciled {
