@@ -17,12 +17,10 @@ use common::{assert_clean, status_of, CONFIG, MIB};
 /// failure, fails the test.
 const NOT_OFFERED: &[&str] = &[
     "ListVolumes",
-    "ListSnapshots with starting_token",
-    "volume attach limit",
+    "node max attach limit",
     "ModifyVolume",
-    "VolumeAttributesClass",
+    "volume attribute class",
     "GroupController",
-    "VolumeGroupSnapshot",
 ];
 
 /// Specs that fail for a reason this harness cannot remove yet, each with the reason; every
