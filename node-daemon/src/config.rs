@@ -1,5 +1,6 @@
 //! Settings: built-in defaults, overridden by an optional TOML file, overridden by flags.
 
+use std::io;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -17,6 +18,46 @@ pub const DEFAULT_REGISTRATION_DIR: &str = "/var/lib/kubelet/plugins_registry";
 pub const DEFAULT_CONFIG: &str = "/etc/ustor-csi/node.toml";
 /// Loopback only by default: opening it to the cluster is the operator's choice.
 pub const DEFAULT_METRICS_ADDRESS: &str = "127.0.0.1:9809";
+
+/// Why the settings could not be read: one variant per failed step, each message naming the
+/// file, key or value at fault and keeping the cause. The daemon refuses to start with any of
+/// them; `status` and `repair` report them and exit.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The settings file could not be read (a missing default file is no error).
+    #[error("{}: {source}", path.display())]
+    Read { path: PathBuf, source: io::Error },
+    /// The settings file is not valid TOML, or names a key the daemon does not know.
+    #[error("{}: {source}", path.display())]
+    Parse {
+        path: PathBuf,
+        source: toml::de::Error,
+    },
+    /// A CSI endpoint that is not a unix socket at an absolute path.
+    #[error("CSI endpoint {endpoint:?} must be unix:///absolute/path")]
+    Endpoint { endpoint: String },
+    /// A metrics address that is neither `ip:port` nor empty.
+    #[error("metrics address {raw:?}: {source} (expected ip:port, or empty to disable)")]
+    MetricsAddress {
+        raw: String,
+        source: std::net::AddrParseError,
+    },
+    /// A client certificate or key without the CA that signs the servers.
+    #[error("tls-cert-file and tls-key-file need tls-ca-file (the CA that signs the servers)")]
+    TlsClientWithoutCa,
+    /// A client certificate without its key, or a key without its certificate: at the top
+    /// level (`profile` is `None`) or in `[tls-profile.<profile>]`.
+    #[error("{}: a client certificate and its key are set together, or neither", tls_keys(.profile.as_deref()))]
+    IncompleteTlsIdentity { profile: Option<String> },
+}
+
+/// Where a TLS identity is configured, as an operator finds it in the file.
+fn tls_keys(profile: Option<&str>) -> String {
+    match profile {
+        None => "tls-cert-file, tls-key-file".to_owned(),
+        Some(name) => format!("[tls-profile.{name}]"),
+    }
+}
 
 /// The file form: every key optional, names as in the flags.
 #[derive(Debug, Default, Deserialize)]
@@ -60,13 +101,17 @@ pub struct TlsProfileFile {
 
 impl FileConfig {
     /// Reads `path`; a missing file at the default location is no error.
-    pub fn load(path: &Path, required: bool) -> anyhow::Result<Self> {
+    pub fn load(path: &Path, required: bool) -> Result<Self, ConfigError> {
         match std::fs::read_to_string(path) {
-            Ok(text) => {
-                toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound && !required => Ok(Self::default()),
-            Err(e) => Err(anyhow::anyhow!("{}: {e}", path.display())),
+            Ok(text) => toml::from_str(&text).map_err(|source| ConfigError::Parse {
+                path: path.to_owned(),
+                source,
+            }),
+            Err(e) if e.kind() == io::ErrorKind::NotFound && !required => Ok(Self::default()),
+            Err(source) => Err(ConfigError::Read {
+                path: path.to_owned(),
+                source,
+            }),
         }
     }
 }
@@ -121,7 +166,7 @@ impl Settings {
         }
     }
 
-    pub fn apply_file(&mut self, f: FileConfig) -> anyhow::Result<()> {
+    pub fn apply_file(&mut self, f: FileConfig) -> Result<(), ConfigError> {
         if let Some(e) = f.csi_endpoint {
             self.csi_socket = unix_path(&e)?;
         }
@@ -160,19 +205,25 @@ impl Settings {
             f.tls_cert_file.is_some() || f.tls_key_file.is_some(),
         ) {
             (Some(ca), _) => {
-                self.tls = Some(
-                    tls_files(ca, f.tls_cert_file, f.tls_key_file, f.tls_server_name)
-                        .map_err(|e| anyhow::anyhow!("tls-cert-file, tls-key-file: {e}"))?,
-                )
+                self.tls = Some(tls_files(
+                    None,
+                    ca,
+                    f.tls_cert_file,
+                    f.tls_key_file,
+                    f.tls_server_name,
+                )?)
             }
-            (None, true) => anyhow::bail!(
-                "tls-cert-file and tls-key-file need tls-ca-file (the CA that signs the servers)"
-            ),
+            (None, true) => return Err(ConfigError::TlsClientWithoutCa),
             (None, false) => {}
         }
         for (name, p) in f.tls_profile {
-            let files = tls_files(p.ca_file, p.cert_file, p.key_file, p.server_name)
-                .map_err(|e| anyhow::anyhow!("[tls-profile.{name}]: {e}"))?;
+            let files = tls_files(
+                Some(&name),
+                p.ca_file,
+                p.cert_file,
+                p.key_file,
+                p.server_name,
+            )?;
             self.tls_profiles.insert(name, files);
         }
         Ok(())
@@ -180,15 +231,19 @@ impl Settings {
 }
 
 /// A client certificate comes with its key: one without the other is a configuration mistake
-/// found at start, not at the first dial.
+/// found at start, not at the first dial. `profile` names the `[tls-profile.<name>]` table the
+/// files come from (`None`: the top-level `tls-*` keys).
 fn tls_files(
+    profile: Option<&str>,
     ca: PathBuf,
     client_cert: Option<PathBuf>,
     client_key: Option<PathBuf>,
     server_name: Option<String>,
-) -> anyhow::Result<std::sync::Arc<nbd::tls::TlsFiles>> {
+) -> Result<std::sync::Arc<nbd::tls::TlsFiles>, ConfigError> {
     if client_cert.is_some() != client_key.is_some() {
-        anyhow::bail!("a client certificate and its key are set together, or neither");
+        return Err(ConfigError::IncompleteTlsIdentity {
+            profile: profile.map(str::to_owned),
+        });
     }
     Ok(std::sync::Arc::new(nbd::tls::TlsFiles {
         ca,
@@ -199,22 +254,26 @@ fn tls_files(
 }
 
 /// `host:port` to serve metrics on; empty means off.
-pub fn metrics_address(raw: &str) -> anyhow::Result<Option<std::net::SocketAddr>> {
+pub fn metrics_address(raw: &str) -> Result<Option<std::net::SocketAddr>, ConfigError> {
     if raw.is_empty() {
         return Ok(None);
     }
-    raw.parse().map(Some).map_err(|e| {
-        anyhow::anyhow!("metrics address {raw:?}: {e} (expected ip:port, or empty to disable)")
-    })
+    raw.parse()
+        .map(Some)
+        .map_err(|source| ConfigError::MetricsAddress {
+            raw: raw.to_owned(),
+            source,
+        })
 }
 
 /// `unix:///path` (or a bare absolute path) to the socket path.
-pub fn unix_path(endpoint: &str) -> anyhow::Result<PathBuf> {
+pub fn unix_path(endpoint: &str) -> Result<PathBuf, ConfigError> {
     let path = endpoint.strip_prefix("unix://").unwrap_or(endpoint);
-    anyhow::ensure!(
-        path.starts_with('/'),
-        "CSI endpoint {endpoint:?} must be unix:///absolute/path"
-    );
+    if !path.starts_with('/') {
+        return Err(ConfigError::Endpoint {
+            endpoint: endpoint.to_owned(),
+        });
+    }
     Ok(PathBuf::from(path))
 }
 
@@ -285,6 +344,10 @@ mod tests {
         let half: FileConfig =
             toml::from_str("[tls-profile.x]\nca-file = \"/ca\"\ncert-file = \"/c\"\n").unwrap();
         let err = Settings::defaults("n".into()).apply_file(half).unwrap_err();
+        assert!(
+            matches!(&err, ConfigError::IncompleteTlsIdentity { profile: Some(p) } if p == "x"),
+            "{err:?}"
+        );
         assert!(err.to_string().contains("[tls-profile.x]"), "{err}");
         assert!(toml::from_str::<FileConfig>("[tls-profile.x]\ncert-file = \"/c\"\n").is_err());
     }
@@ -313,6 +376,59 @@ mod tests {
     #[test]
     fn missing_default_file_is_fine_missing_named_file_is_not() {
         assert!(FileConfig::load(Path::new("/nonexistent/node.toml"), false).is_ok());
-        assert!(FileConfig::load(Path::new("/nonexistent/node.toml"), true).is_err());
+        let err = FileConfig::load(Path::new("/nonexistent/node.toml"), true).unwrap_err();
+        assert!(
+            matches!(&err, ConfigError::Read { path, source }
+                if path == Path::new("/nonexistent/node.toml")
+                    && source.kind() == io::ErrorKind::NotFound),
+            "{err:?}"
+        );
+    }
+
+    /// Each refusal names the file, key or value at fault, in the words the daemon used before
+    /// its errors were typed.
+    #[test]
+    fn refusals_name_what_is_at_fault() {
+        let dir = tempfile::tempdir().unwrap();
+        let bad = dir.path().join("node.toml");
+        std::fs::write(&bad, "csi_endpoint = \"x\"\n").unwrap();
+        let err = FileConfig::load(&bad, true).unwrap_err();
+        assert!(matches!(err, ConfigError::Parse { .. }), "{err:?}");
+        assert!(
+            err.to_string().starts_with(&format!("{}: ", bad.display())),
+            "{err}"
+        );
+        assert!(err.to_string().contains("csi_endpoint"), "{err}");
+
+        assert_eq!(
+            unix_path("tcp://0.0.0.0:1").unwrap_err().to_string(),
+            r#"CSI endpoint "tcp://0.0.0.0:1" must be unix:///absolute/path"#
+        );
+        let err = metrics_address("9809").unwrap_err();
+        assert!(matches!(err, ConfigError::MetricsAddress { .. }), "{err:?}");
+        assert!(
+            err.to_string().starts_with(r#"metrics address "9809": "#)
+                && err
+                    .to_string()
+                    .ends_with(" (expected ip:port, or empty to disable)"),
+            "{err}"
+        );
+        assert_eq!(metrics_address("").unwrap(), None);
+
+        let top = |text: &str| {
+            let f: FileConfig = toml::from_str(text).unwrap();
+            Settings::defaults("n".into()).apply_file(f).unwrap_err()
+        };
+        let err = top("tls-cert-file = \"/c\"\n");
+        assert!(matches!(err, ConfigError::TlsClientWithoutCa), "{err:?}");
+        assert_eq!(
+            err.to_string(),
+            "tls-cert-file and tls-key-file need tls-ca-file (the CA that signs the servers)"
+        );
+        let err = top("tls-ca-file = \"/ca\"\ntls-key-file = \"/k\"\n");
+        assert_eq!(
+            err.to_string(),
+            "tls-cert-file, tls-key-file: a client certificate and its key are set together, or neither"
+        );
     }
 }

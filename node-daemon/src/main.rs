@@ -206,7 +206,8 @@ fn main() -> Result<()> {
             tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()?
-                .block_on(server::run(s))
+                .block_on(server::run(s))?;
+            Ok(())
         }
         Command::Repair {
             common,

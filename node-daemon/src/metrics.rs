@@ -95,12 +95,12 @@ impl Metrics {
     }
 }
 
-/// Serves `/metrics` until the process ends.
-pub async fn serve(metrics: Arc<Metrics>, addr: SocketAddr) -> anyhow::Result<()> {
+/// Serves `/metrics` until the process ends; an error (binding `addr`, or serving) is the
+/// caller's to log: the endpoint is optional, the daemon keeps running without it.
+pub async fn serve(metrics: Arc<Metrics>, addr: SocketAddr) -> std::io::Result<()> {
     tracing::info!(%addr, "serving metrics");
     let listener = tokio::net::TcpListener::bind(addr).await?;
-    csi_common::metrics::serve(move || metrics.render(), listener).await?;
-    Ok(())
+    csi_common::metrics::serve(move || metrics.render(), listener).await
 }
 
 #[cfg(test)]

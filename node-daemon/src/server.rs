@@ -8,9 +8,10 @@
 //! Shutdown stops serving and removes the sockets; it never touches a device: the kernel owns
 //! the data path, and a restart must not interrupt I/O.
 
+use std::io;
+use std::path::PathBuf;
 use std::sync::Arc;
 
-use anyhow::{Context, Result};
 use csi_proto::csi::identity_server::IdentityServer;
 use csi_proto::csi::node_server::NodeServer;
 use csi_proto::registration::registration_server::RegistrationServer;
@@ -20,9 +21,10 @@ use tokio::sync::watch;
 use tokio_stream::wrappers::UnixListenerStream;
 
 use crate::config::Settings;
+use crate::error::NodeError;
 use crate::healer::Healer;
 use crate::held;
-use crate::journal::Journal;
+use crate::journal::{Journal, JournalError};
 use crate::kernel::Host;
 use crate::node::Node;
 use crate::recovery;
@@ -30,7 +32,47 @@ use crate::service::identity::IdentityService;
 use crate::service::node::NodeService;
 use crate::service::registration::RegistrationService;
 
-pub async fn run(settings: Settings) -> Result<()> {
+/// Why the daemon did not start, or stopped serving: one variant per step of the start-up order
+/// above, each keeping its cause.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The nbd generic netlink family is missing, even after `modprobe nbd`.
+    #[error("opening the nbd netlink family: {0}")]
+    Netlink(#[source] nbd::Error),
+    /// The LINK_DEAD multicast group could not be joined.
+    #[error("subscribing to LINK_DEAD: {0}")]
+    LinkDead(#[source] nbd::Error),
+    /// The attachment journal could not be opened.
+    #[error(transparent)]
+    Journal(#[from] JournalError),
+    /// A socket could not be bound; the cause names the path and the step that failed.
+    #[error("the {what} socket: {source}")]
+    BindSocket {
+        what: &'static str,
+        path: PathBuf,
+        source: io::Error,
+    },
+    /// Recovery could not read or reconcile the journal.
+    #[error(transparent)]
+    Recovery(#[from] NodeError),
+    /// SIGTERM or SIGINT could not be watched.
+    #[error("the signal handler: {0}")]
+    Signals(#[source] io::Error),
+    /// A gRPC server stopped with an error.
+    #[error("serving {what}: {source}")]
+    Serve {
+        what: &'static str,
+        source: tonic::transport::Error,
+    },
+    /// A gRPC server's task panicked or was cancelled.
+    #[error("serving {what}: {source}")]
+    ServerTask {
+        what: &'static str,
+        source: tokio::task::JoinError,
+    },
+}
+
+pub async fn run(settings: Settings) -> Result<(), StartError> {
     // Everything this daemon creates (journal, sockets) is for root only.
     nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
     // Sockets the previous daemon parked in systemd's store, owned from here on.
@@ -38,7 +80,7 @@ pub async fn run(settings: Settings) -> Result<()> {
     let nl = open_netlink().await?;
     let events = LinkDeadEvents::subscribe()
         .await
-        .context("subscribing to LINK_DEAD")?;
+        .map_err(StartError::LinkDead)?;
     let journal = Journal::open(&settings.state_dir)?;
     let node = Arc::new(Node::new(
         settings.clone(),
@@ -47,7 +89,7 @@ pub async fn run(settings: Settings) -> Result<()> {
     ));
     let (stop_tx, stop_rx) = watch::channel(false);
 
-    let csi = csi_common::socket::bind(&settings.csi_socket)?;
+    let csi = bind("CSI", &settings.csi_socket)?;
     let csi_server = tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(IdentityServer::new(IdentityService::new(Arc::clone(&node))))
@@ -97,7 +139,7 @@ pub async fn run(settings: Settings) -> Result<()> {
     let registration = match &settings.registration_dir {
         Some(dir) => {
             let path = dir.join(RegistrationService::socket_name());
-            let listener = csi_common::socket::bind(&path)?;
+            let listener = bind(REGISTRATION, &path)?;
             sockets.push(path);
             Some(tokio::spawn(
                 tonic::transport::Server::builder()
@@ -125,9 +167,9 @@ pub async fn run(settings: Settings) -> Result<()> {
     }
     let _ = stop_tx.send(true);
     healing.abort();
-    csi_server.await??;
+    joined("CSI", csi_server).await?;
     if let Some(r) = registration {
-        r.await??;
+        joined(REGISTRATION, r).await?;
     }
     for s in sockets {
         let _ = std::fs::remove_file(s);
@@ -135,14 +177,38 @@ pub async fn run(settings: Settings) -> Result<()> {
     Ok(())
 }
 
+/// The kubelet registration server, as its errors name it.
+const REGISTRATION: &str = "kubelet registration";
+
+fn bind(
+    what: &'static str,
+    path: &std::path::Path,
+) -> Result<tokio::net::UnixListener, StartError> {
+    csi_common::socket::bind(path).map_err(|source| StartError::BindSocket {
+        what,
+        path: path.to_owned(),
+        source,
+    })
+}
+
+/// Waits for a server task: its own error, or its panic.
+async fn joined(
+    what: &'static str,
+    task: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+) -> Result<(), StartError> {
+    task.await
+        .map_err(|source| StartError::ServerTask { what, source })?
+        .map_err(|source| StartError::Serve { what, source })
+}
+
 async fn stopped(mut rx: watch::Receiver<bool>) {
     let _ = rx.wait_for(|stop| *stop).await;
 }
 
-async fn wait_for_signal() -> Result<()> {
+async fn wait_for_signal() -> Result<(), StartError> {
     use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate())?;
-    let mut int = signal(SignalKind::interrupt())?;
+    let mut term = signal(SignalKind::terminate()).map_err(StartError::Signals)?;
+    let mut int = signal(SignalKind::interrupt()).map_err(StartError::Signals)?;
     tokio::select! {
         _ = term.recv() => {}
         _ = int.recv() => {}
@@ -151,7 +217,7 @@ async fn wait_for_signal() -> Result<()> {
 }
 
 /// Opens the nbd netlink family, loading the module first on kernels that do not autoload it.
-async fn open_netlink() -> Result<NbdNetlink> {
+async fn open_netlink() -> Result<NbdNetlink, StartError> {
     match NbdNetlink::open().await {
         Err(nbd::Error::ModuleNotLoaded) => {
             tracing::info!("loading the nbd module");
@@ -163,11 +229,9 @@ async fn open_netlink() -> Result<NbdNetlink> {
                 Ok(s) if s.success() => {}
                 other => tracing::warn!(?other, "modprobe nbd failed"),
             }
-            NbdNetlink::open()
-                .await
-                .context("opening the nbd netlink family")
+            NbdNetlink::open().await.map_err(StartError::Netlink)
         }
-        other => other.context("opening the nbd netlink family"),
+        other => other.map_err(StartError::Netlink),
     }
 }
 
