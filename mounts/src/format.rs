@@ -206,23 +206,28 @@ mod tests {
 
     #[test]
     fn probe_output_is_classified() {
-        assert_eq!(
-            parse_probe("DEVNAME=/dev/nbd0\nTYPE=ext4\nUSAGE=filesystem\n"),
-            Probe::Filesystem("ext4".into())
-        );
-        assert_eq!(
-            parse_probe("TYPE=LVM2_member\nUSAGE=raid\n"),
-            Probe::Other("LVM2_member".into())
-        );
-        assert_eq!(
-            parse_probe("TYPE=crypto_LUKS\nUSAGE=crypto\n"),
-            Probe::Other("crypto_LUKS".into())
-        );
-        assert_eq!(
-            parse_probe("PTTYPE=gpt\nPTUUID=x\n"),
-            Probe::Other("gpt partition table".into())
-        );
-        assert_eq!(parse_probe(""), Probe::Blank);
+        let cases = [
+            (
+                "DEVNAME=/dev/nbd0\nTYPE=ext4\nUSAGE=filesystem\n",
+                Probe::Filesystem("ext4".into()),
+            ),
+            (
+                "TYPE=LVM2_member\nUSAGE=raid\n",
+                Probe::Other("LVM2_member".into()),
+            ),
+            (
+                "TYPE=crypto_LUKS\nUSAGE=crypto\n",
+                Probe::Other("crypto_LUKS".into()),
+            ),
+            (
+                "PTTYPE=gpt\nPTUUID=x\n",
+                Probe::Other("gpt partition table".into()),
+            ),
+            ("", Probe::Blank),
+        ];
+        for (output, want) in cases {
+            assert_eq!(parse_probe(output), want, "{output:?}");
+        }
     }
 
     #[test]
