@@ -56,6 +56,15 @@ impl Sysfs {
         self.sys_block.join(index.name()).join(name)
     }
 
+    /// An attribute's path and its text, as read.
+    fn read_attr(&self, index: DeviceIndex, name: &str) -> Result<(PathBuf, String), Error> {
+        let path = self.attr(index, name);
+        match std::fs::read_to_string(&path) {
+            Ok(text) => Ok((path, text)),
+            Err(source) => Err(Error::Sysfs { path, source }),
+        }
+    }
+
     /// The device node, e.g. `/dev/nbd3`.
     pub fn dev_path(&self, index: DeviceIndex) -> PathBuf {
         self.dev.join(index.name())
@@ -121,43 +130,25 @@ impl Sysfs {
 
     /// Size of the device in bytes (0 when not configured).
     pub fn size_bytes(&self, index: DeviceIndex) -> Result<u64, Error> {
-        let path = self.attr(index, "size");
-        let text = std::fs::read_to_string(&path).map_err(|source| Error::Sysfs {
-            path: path.clone(),
-            source,
-        })?;
-        let sectors: u64 = text.trim().parse().map_err(|_| Error::Sysfs {
-            path,
-            source: io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("not a number: {text:?}"),
-            ),
-        })?;
+        let (path, text) = self.read_attr(index, "size")?;
+        let sectors: u64 = text
+            .trim()
+            .parse()
+            .map_err(|_| invalid_data(path, format!("not a number: {text:?}")))?;
         Ok(sectors * 512)
     }
 
     /// Whether the kernel marked the device read-only.
     pub fn read_only(&self, index: DeviceIndex) -> Result<bool, Error> {
-        let path = self.attr(index, "ro");
-        let text =
-            std::fs::read_to_string(&path).map_err(|source| Error::Sysfs { path, source })?;
+        let (_, text) = self.read_attr(index, "ro")?;
         Ok(text.trim() == "1")
     }
 
     /// The active I/O scheduler, e.g. `none` or `mq-deadline`.
     pub fn scheduler(&self, index: DeviceIndex) -> Result<String, Error> {
-        let path = self.attr(index, "queue/scheduler");
-        let text = std::fs::read_to_string(&path).map_err(|source| Error::Sysfs {
-            path: path.clone(),
-            source,
-        })?;
-        active_scheduler(&text).ok_or_else(|| Error::Sysfs {
-            path,
-            source: io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("no active scheduler in {text:?}"),
-            ),
-        })
+        let (path, text) = self.read_attr(index, "queue/scheduler")?;
+        active_scheduler(&text)
+            .ok_or_else(|| invalid_data(path, format!("no active scheduler in {text:?}")))
     }
 
     /// Selects the I/O scheduler. `none` keeps a request's tag across requeues, which avoids
@@ -206,6 +197,13 @@ fn is_block_device(path: &Path) -> bool {
 }
 
 /// `"[mq-deadline] none"` → `mq-deadline`; a queue without schedulers shows just `none`.
+fn invalid_data(path: PathBuf, what: String) -> Error {
+    Error::Sysfs {
+        path,
+        source: io::Error::new(io::ErrorKind::InvalidData, what),
+    }
+}
+
 fn active_scheduler(text: &str) -> Option<String> {
     let text = text.trim();
     if let Some(start) = text.find('[') {

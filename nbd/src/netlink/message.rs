@@ -60,8 +60,10 @@ pub struct DeviceStatus {
 type Attr = Nlattr<NbdAttr, Buffer>;
 type BuildError = String;
 
-fn attr<P>(kind: NbdAttr, payload: P) -> Result<Attr, BuildError>
+/// One attribute of any of the family's attribute sets (top level or nested).
+fn attr<K, P>(kind: K, payload: P) -> Result<Nlattr<K, Buffer>, BuildError>
 where
+    K: neli::Size + Clone,
     P: neli::Size + neli::ToBytes,
 {
     NlattrBuilder::default()
@@ -84,26 +86,8 @@ fn secs(d: Duration) -> u64 {
 fn sockets_attr(sockets: &[BorrowedFd<'_>]) -> Result<Attr, BuildError> {
     let mut list = attr(NbdAttr::Sockets, Vec::<u8>::new())?;
     for fd in sockets {
-        let fd_attr = NlattrBuilder::default()
-            .nla_type(
-                AttrTypeBuilder::default()
-                    .nla_type(NbdSock::Fd)
-                    .build()
-                    .map_err(|e| e.to_string())?,
-            )
-            .nla_payload(fd.as_raw_fd() as u32)
-            .build()
-            .map_err(|e| e.to_string())?;
-        let item = NlattrBuilder::default()
-            .nla_type(
-                AttrTypeBuilder::default()
-                    .nla_type(NbdSockItem::Item)
-                    .build()
-                    .map_err(|e| e.to_string())?,
-            )
-            .nla_payload(Vec::<u8>::new())
-            .build()
-            .map_err(|e| e.to_string())?
+        let fd_attr = attr(NbdSock::Fd, fd.as_raw_fd() as u32)?;
+        let item = attr(NbdSockItem::Item, Vec::<u8>::new())?
             .nest(&fd_attr)
             .map_err(|e| e.to_string())?;
         list = list.nest(&item).map_err(|e| e.to_string())?;
