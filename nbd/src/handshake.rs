@@ -552,6 +552,34 @@ mod tests {
         result
     }
 
+    /// The error of a handshake whose server greets, reads the one option and answers it with
+    /// one reply of `kind` to `option`, carrying `data`.
+    async fn refused_by_reply(option: u32, kind: u32, data: Vec<u8>) -> HandshakeError {
+        run("e", move |mut p| async move {
+            p.greet(3).await;
+            p.read_option().await;
+            p.reply(option, kind, &data).await;
+        })
+        .await
+        .unwrap_err()
+    }
+
+    /// The error of a handshake whose server greets, reads the one option and starts a reply
+    /// to it that says it is `len` bytes long, then sends `partial` of them and hangs up.
+    async fn refused_by_reply_header(len: u32, partial: &'static [u8]) -> HandshakeError {
+        run("e", move |mut p| async move {
+            p.greet(3).await;
+            p.read_option().await;
+            p.0.write_u64(OPT_REPLY_MAGIC).await.unwrap();
+            p.0.write_u32(opt::GO).await.unwrap();
+            p.0.write_u32(rep::INFO).await.unwrap();
+            p.0.write_u32(len).await.unwrap();
+            p.0.write_all(partial).await.unwrap();
+        })
+        .await
+        .unwrap_err()
+    }
+
     #[tokio::test]
     async fn opt_go_returns_size_flags_and_block_sizes() {
         let info = run("disk", |mut p| async move {
@@ -648,13 +676,7 @@ mod tests {
             (rep::ERR_TLS_REQD, "requires TLS"),
             (rep::ERR_SHUTDOWN, "NBD_REP_ERR_SHUTDOWN"),
         ] {
-            let err = run("e", move |mut p| async move {
-                p.greet(3).await;
-                p.read_option().await;
-                p.reply(opt::GO, code, b"no such thing").await;
-            })
-            .await
-            .unwrap_err();
+            let err = refused_by_reply(opt::GO, code, b"no such thing".to_vec()).await;
             assert!(err.to_string().contains(check), "{code:#x}: {err}");
         }
     }
@@ -676,16 +698,7 @@ mod tests {
         .unwrap_err();
         assert!(matches!(err, HandshakeError::OldStyle), "{err}");
 
-        let err = run("e", |mut p| async move {
-            p.greet(3).await;
-            p.read_option().await;
-            p.0.write_u64(OPT_REPLY_MAGIC).await.unwrap();
-            p.0.write_u32(opt::GO).await.unwrap();
-            p.0.write_u32(rep::INFO).await.unwrap();
-            p.0.write_u32(1 << 30).await.unwrap();
-        })
-        .await
-        .unwrap_err();
+        let err = refused_by_reply_header(1 << 30, &[]).await;
         assert!(
             matches!(
                 err,
@@ -697,17 +710,8 @@ mod tests {
             "{err}"
         );
 
-        let err = run("e", |mut p| async move {
-            p.greet(3).await;
-            p.read_option().await;
-            p.0.write_u64(OPT_REPLY_MAGIC).await.unwrap();
-            p.0.write_u32(opt::GO).await.unwrap();
-            p.0.write_u32(rep::INFO).await.unwrap();
-            p.0.write_u32(12).await.unwrap();
-            p.0.write_all(&[0, 0, 1, 2]).await.unwrap(); // 4 of 12 bytes, then hang up
-        })
-        .await
-        .unwrap_err();
+        // 4 of 12 bytes, then hang up
+        let err = refused_by_reply_header(12, &[0, 0, 1, 2]).await;
         assert!(
             matches!(
                 err,
@@ -718,31 +722,13 @@ mod tests {
             "{err}"
         );
 
-        let err = run("e", |mut p| async move {
-            p.greet(3).await;
-            p.read_option().await;
-            p.reply(opt::GO, rep::INFO, &export_info(10, 0)).await;
-        })
-        .await
-        .unwrap_err();
+        let err = refused_by_reply(opt::GO, rep::INFO, export_info(10, 0)).await;
         assert!(err.to_string().contains("HAS_FLAGS"), "{err}");
 
-        let err = run("e", |mut p| async move {
-            p.greet(3).await;
-            p.read_option().await;
-            p.reply(opt::GO, rep::ACK, &[]).await;
-        })
-        .await
-        .unwrap_err();
+        let err = refused_by_reply(opt::GO, rep::ACK, Vec::new()).await;
         assert!(err.to_string().contains("without NBD_INFO_EXPORT"), "{err}");
 
-        let err = run("e", |mut p| async move {
-            p.greet(3).await;
-            p.read_option().await;
-            p.reply(opt::ABORT, rep::ACK, &[]).await;
-        })
-        .await
-        .unwrap_err();
+        let err = refused_by_reply(opt::ABORT, rep::ACK, Vec::new()).await;
         assert!(
             matches!(
                 err,
@@ -754,13 +740,7 @@ mod tests {
             "{err}"
         );
 
-        let err = run("e", |mut p| async move {
-            p.greet(3).await;
-            p.read_option().await;
-            p.reply(opt::GO, rep::INFO, &[0, 0, 1]).await;
-        })
-        .await
-        .unwrap_err();
+        let err = refused_by_reply(opt::GO, rep::INFO, vec![0, 0, 1]).await;
         assert!(err.to_string().contains("expected 12"), "{err}");
     }
 }
