@@ -28,23 +28,44 @@ pub(crate) mod fake;
 
 /// The kernel's nbd driver and the exports it is fed from. A [`ProvenDevice`] is made only by
 /// [`Kernel::prove`] and [`Kernel::find`] (and an attach): acting on a device still needs proof.
+///
+/// The sysfs facts are read from a [`Sysfs`] by the provided methods, the same code for the
+/// real host and the fake (which roots its `Sysfs` in a temporary directory: the `nbd` crate's
+/// proof of a device is not faked). Implementors give [`Kernel::sysfs`] and the verbs.
 #[tonic::async_trait]
 pub trait Kernel: Send + Sync + 'static {
+    /// Where the sysfs facts below are read; for those methods only, not a way round the
+    /// trait's verbs.
+    fn sysfs(&self) -> &Sysfs;
     /// Every `nbdN` the driver has created, in index order.
-    fn devices(&self) -> Result<Vec<DeviceIndex>, nbd::Error>;
+    fn devices(&self) -> Result<Vec<DeviceIndex>, nbd::Error> {
+        self.sysfs().devices()
+    }
     /// The identifier `index` carries, `None` when it carries none.
-    fn backend(&self, index: DeviceIndex) -> Result<Option<String>, nbd::Error>;
+    fn backend(&self, index: DeviceIndex) -> Result<Option<String>, nbd::Error> {
+        self.sysfs().backend(index)
+    }
     /// `index`, shown to carry `expected`.
-    fn prove(&self, index: DeviceIndex, expected: &BackendId) -> Result<ProvenDevice, nbd::Error>;
+    fn prove(&self, index: DeviceIndex, expected: &BackendId) -> Result<ProvenDevice, nbd::Error> {
+        self.sysfs().prove(index, expected)
+    }
     /// The device carrying `identifier`, wherever it is.
-    fn find(&self, identifier: &BackendId) -> Result<Option<ProvenDevice>, nbd::Error>;
-    fn size_bytes(&self, index: DeviceIndex) -> Result<u64, nbd::Error>;
+    fn find(&self, identifier: &BackendId) -> Result<Option<ProvenDevice>, nbd::Error> {
+        self.sysfs().find(identifier)
+    }
+    fn size_bytes(&self, index: DeviceIndex) -> Result<u64, nbd::Error> {
+        self.sysfs().size_bytes(index)
+    }
     /// The device node, e.g. `/dev/nbd3`.
-    fn dev_path(&self, index: DeviceIndex) -> PathBuf;
+    fn dev_path(&self, index: DeviceIndex) -> PathBuf {
+        self.sysfs().dev_path(index)
+    }
     /// Major and minor numbers of the device node (what the mount table names a filesystem's
     /// device by); `None` when there is no block device node.
     fn device_numbers(&self, index: DeviceIndex) -> Option<(u32, u32)>;
-    fn scheduler(&self, index: DeviceIndex) -> Result<String, nbd::Error>;
+    fn scheduler(&self, index: DeviceIndex) -> Result<String, nbd::Error> {
+        self.sysfs().scheduler(index)
+    }
     fn set_scheduler(&self, index: DeviceIndex, scheduler: &str) -> Result<(), nbd::Error>;
 
     /// Dials the export and does the handshake, for a CONNECT to follow.
@@ -138,36 +159,12 @@ pub struct NbdKernel {
 
 #[tonic::async_trait]
 impl Kernel for NbdKernel {
-    fn devices(&self) -> Result<Vec<DeviceIndex>, nbd::Error> {
-        self.sysfs.devices()
-    }
-
-    fn backend(&self, index: DeviceIndex) -> Result<Option<String>, nbd::Error> {
-        self.sysfs.backend(index)
-    }
-
-    fn prove(&self, index: DeviceIndex, expected: &BackendId) -> Result<ProvenDevice, nbd::Error> {
-        self.sysfs.prove(index, expected)
-    }
-
-    fn find(&self, identifier: &BackendId) -> Result<Option<ProvenDevice>, nbd::Error> {
-        self.sysfs.find(identifier)
-    }
-
-    fn size_bytes(&self, index: DeviceIndex) -> Result<u64, nbd::Error> {
-        self.sysfs.size_bytes(index)
-    }
-
-    fn dev_path(&self, index: DeviceIndex) -> PathBuf {
-        self.sysfs.dev_path(index)
+    fn sysfs(&self) -> &Sysfs {
+        &self.sysfs
     }
 
     fn device_numbers(&self, index: DeviceIndex) -> Option<(u32, u32)> {
         crate::node::device_numbers(&self.sysfs.dev_path(index))
-    }
-
-    fn scheduler(&self, index: DeviceIndex) -> Result<String, nbd::Error> {
-        self.sysfs.scheduler(index)
     }
 
     fn set_scheduler(&self, index: DeviceIndex, scheduler: &str) -> Result<(), nbd::Error> {

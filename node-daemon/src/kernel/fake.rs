@@ -16,7 +16,7 @@ use nbd::dial::{DialOptions, Dialed};
 use nbd::handshake::ExportInfo;
 use nbd::protocol::TransmissionFlags;
 use nbd::sysfs::{ProvenDevice, Sysfs};
-use nbd::{BackendId, DeviceIndex, NbdUri};
+use nbd::{DeviceIndex, NbdUri};
 
 use super::{Host, Kernel, Mounts, Tools};
 use crate::blockdev::BlockdevError;
@@ -131,36 +131,12 @@ impl FakeHost {
 
 #[tonic::async_trait]
 impl Kernel for FakeHost {
-    fn devices(&self) -> Result<Vec<DeviceIndex>, nbd::Error> {
-        self.sysfs.devices()
-    }
-
-    fn backend(&self, index: DeviceIndex) -> Result<Option<String>, nbd::Error> {
-        self.sysfs.backend(index)
-    }
-
-    fn prove(&self, index: DeviceIndex, expected: &BackendId) -> Result<ProvenDevice, nbd::Error> {
-        self.sysfs.prove(index, expected)
-    }
-
-    fn find(&self, identifier: &BackendId) -> Result<Option<ProvenDevice>, nbd::Error> {
-        self.sysfs.find(identifier)
-    }
-
-    fn size_bytes(&self, index: DeviceIndex) -> Result<u64, nbd::Error> {
-        self.sysfs.size_bytes(index)
-    }
-
-    fn dev_path(&self, index: DeviceIndex) -> PathBuf {
-        self.sysfs.dev_path(index)
+    fn sysfs(&self) -> &Sysfs {
+        &self.sysfs
     }
 
     fn device_numbers(&self, index: DeviceIndex) -> Option<(u32, u32)> {
         (index.0 < DEVICES).then_some((NBD_MAJOR, index.0))
-    }
-
-    fn scheduler(&self, index: DeviceIndex) -> Result<String, nbd::Error> {
-        self.sysfs.scheduler(index)
     }
 
     fn set_scheduler(&self, index: DeviceIndex, scheduler: &str) -> Result<(), nbd::Error> {
