@@ -119,12 +119,7 @@ pub async fn offer_new_connections(
     record: &Record,
     device: &ProvenDevice,
 ) -> Result<(), NodeError> {
-    let export = record
-        .export
-        .clone()
-        .ok_or_else(|| NodeError::ExportUnknown {
-            volume: record.volume_id.to_string(),
-        })?;
+    let export = crate::node::known_export(record)?;
     let uri = crate::node::export_uri(&export)?;
     let dialed = nbd::dial::dial(&uri, &node.dial_options(&export)?).await?;
     let volume = record.volume_id.as_str();

@@ -109,15 +109,31 @@ impl Node {
         }
     }
 
+    /// How every call that changes a volume begins: recovery has finished, and no other call
+    /// acts on the volume (waiting for one at most `call_patience`, then
+    /// [`NodeError::Busy`]). The volume is the caller's until the guard drops.
+    pub(crate) async fn begin_call(
+        &self,
+        volume: &crate::ids::VolumeId,
+    ) -> Result<crate::locks::VolumeGuard, NodeError> {
+        self.ensure_ready()?;
+        self.locks
+            .lock_within(volume.as_str(), self.settings.call_patience)
+            .await
+    }
+
+    /// The volume's record; [`NodeError::NotStaged`] when this node has none.
+    pub(crate) fn staged_record(&self, volume: &crate::ids::VolumeId) -> Result<Record, NodeError> {
+        self.record(volume.as_str())
+            .ok_or_else(|| NodeError::NotStaged {
+                volume: volume.to_string(),
+            })
+    }
+
     /// [`NodeError::NotStaged`] for a volume this node has no record of.
     pub(crate) fn require_known(&self, volume: &crate::ids::VolumeId) -> Result<(), NodeError> {
         self.ensure_ready()?;
-        match self.record(volume.as_str()) {
-            Some(_) => Ok(()),
-            None => Err(NodeError::NotStaged {
-                volume: volume.to_string(),
-            }),
-        }
+        self.staged_record(volume).map(drop)
     }
 
     pub fn record(&self, volume: &str) -> Option<Record> {
@@ -354,6 +370,17 @@ fn count_down(links: &HashMap<String, Link>) -> usize {
         .values()
         .filter(|l| matches!(l, Link::Down { .. }))
         .count()
+}
+
+/// The export `record` was attached from; [`NodeError::ExportUnknown`] while a record rebuilt
+/// from kernel facts has not learned it.
+pub(crate) fn known_export(record: &Record) -> Result<Export, NodeError> {
+    record
+        .export
+        .clone()
+        .ok_or_else(|| NodeError::ExportUnknown {
+            volume: record.volume_id.to_string(),
+        })
 }
 
 pub(crate) fn export_uri(export: &Export) -> Result<NbdUri, NodeError> {

@@ -125,14 +125,20 @@ pub fn capability(cap: Option<&VolumeCapability>) -> Result<Capability, RequestE
     Ok(Capability { access, mode })
 }
 
-/// An absolute path without `.` or `..` components (which could step out of kubelet's tree).
-pub fn abs_path(field: &'static str, raw: &str) -> Result<PathBuf, RequestError> {
+/// A path field is given, and is one the kernel can take (no NUL, at most `PATH_MAX`).
+fn usable_path(field: &'static str, raw: &str) -> Result<(), RequestError> {
     if raw.is_empty() {
         return Err(RequestError::Missing { field });
     }
     if raw.contains('\0') || raw.len() > 4096 {
         return Err(RequestError::UnusablePath { field });
     }
+    Ok(())
+}
+
+/// An absolute path without `.` or `..` components (which could step out of kubelet's tree).
+pub fn abs_path(field: &'static str, raw: &str) -> Result<PathBuf, RequestError> {
+    usable_path(field, raw)?;
     let path = Path::new(raw);
     if !path.is_absolute() {
         return Err(RequestError::RelativePath {
@@ -153,21 +159,11 @@ pub fn abs_path(field: &'static str, raw: &str) -> Result<PathBuf, RequestError>
     Ok(path.components().collect())
 }
 
-/// `path` with its directory resolved through symlinks (the last component is kept, since
-/// the plugin may be about to create it). kubelet's directory may be a symlink (a
-/// `/var/lib/kubelet` moved to a data disk) while the mount table shows resolved paths:
-/// comparing unresolved paths would stack mounts and take our own mounts for foreign ones.
-/// A directory that does not exist yet is left as given.
 /// A path that only names which of a volume's paths a call means (NodeGetVolumeStats,
 /// NodeExpandVolume): it must be given, but is never acted on, so a relative or unknown one is
 /// simply not the volume's path (NOT_FOUND, as the spec has it), not a malformed request.
 pub fn lookup_path(field: &'static str, raw: &str) -> Result<PathBuf, RequestError> {
-    if raw.is_empty() {
-        return Err(RequestError::Missing { field });
-    }
-    if raw.contains('\0') || raw.len() > 4096 {
-        return Err(RequestError::UnusablePath { field });
-    }
+    usable_path(field, raw)?;
     let path = PathBuf::from(raw);
     Ok(if path.is_absolute() {
         resolved(path)
@@ -176,6 +172,11 @@ pub fn lookup_path(field: &'static str, raw: &str) -> Result<PathBuf, RequestErr
     })
 }
 
+/// `path` with its directory resolved through symlinks (the last component is kept, since
+/// the plugin may be about to create it). kubelet's directory may be a symlink (a
+/// `/var/lib/kubelet` moved to a data disk) while the mount table shows resolved paths:
+/// comparing unresolved paths would stack mounts and take our own mounts for foreign ones.
+/// A directory that does not exist yet is left as given.
 pub fn resolved(path: PathBuf) -> PathBuf {
     let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
         return path;

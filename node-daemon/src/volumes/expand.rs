@@ -67,16 +67,8 @@ pub struct ExpandRequest {
 
 impl Node {
     pub async fn expand(&self, req: ExpandRequest) -> Result<u64, NodeError> {
-        self.ensure_ready()?;
-        let _guard = self
-            .locks
-            .lock_within(req.volume.as_str(), self.settings.call_patience)
-            .await?;
-        let mut record = self
-            .record(req.volume.as_str())
-            .ok_or_else(|| NodeError::NotStaged {
-                volume: req.volume.to_string(),
-            })?;
+        let _guard = self.begin_call(&req.volume).await?;
+        let mut record = self.staged_record(&req.volume)?;
         if !record.owns_path(&req.volume_path) {
             return Err(NodeError::NotAtPath {
                 volume: req.volume.to_string(),
@@ -89,12 +81,7 @@ impl Node {
                 phase: record.phase(),
             });
         }
-        let export = record
-            .export
-            .clone()
-            .ok_or_else(|| NodeError::ExportUnknown {
-                volume: req.volume.to_string(),
-            })?;
+        let export = crate::node::known_export(&record)?;
         let (info, _probe_socket) =
             nbd::dial::dial_one(&export_uri(&export)?, &self.dial_options(&export)?).await?;
         if let Some(required) = req.required_bytes {

@@ -67,16 +67,8 @@ pub struct PublishRequest {
 
 impl Node {
     pub async fn publish(&self, req: PublishRequest) -> Result<(), NodeError> {
-        self.ensure_ready()?;
-        let _guard = self
-            .locks
-            .lock_within(req.volume.as_str(), self.settings.call_patience)
-            .await?;
-        let mut record = self
-            .record(req.volume.as_str())
-            .ok_or_else(|| NodeError::NotStaged {
-                volume: req.volume.to_string(),
-            })?;
+        let _guard = self.begin_call(&req.volume).await?;
+        let mut record = self.staged_record(&req.volume)?;
         if !matches!(record.phase(), Phase::Staged) {
             return Err(NodeError::NotStagedYet {
                 volume: req.volume.to_string(),
@@ -228,11 +220,7 @@ impl Node {
     }
 
     pub async fn unpublish(&self, volume: &VolumeId, target: &Path) -> Result<(), NodeError> {
-        self.ensure_ready()?;
-        let _guard = self
-            .locks
-            .lock_within(volume.as_str(), self.settings.call_patience)
-            .await?;
+        let _guard = self.begin_call(volume).await?;
         let Some(mut record) = self.record(volume.as_str()) else {
             return self.unpublish_unknown(volume, target).await;
         };

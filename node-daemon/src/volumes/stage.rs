@@ -145,11 +145,7 @@ const MAX_STEPS: usize = 12;
 
 impl Node {
     pub async fn stage(&self, req: StageRequest) -> Result<(), NodeError> {
-        self.ensure_ready()?;
-        let _guard = self
-            .locks
-            .lock_within(req.volume.as_str(), self.settings.call_patience)
-            .await?;
+        let _guard = self.begin_call(&req.volume).await?;
         let existing = match self.record(req.volume.as_str()) {
             // A teardown a crash interrupted is finished before staging anew.
             Some(r) if r.phase() == Phase::Unstaging => {
@@ -611,11 +607,7 @@ impl Node {
     }
 
     pub async fn unstage(&self, volume: &VolumeId, staging_path: &Path) -> Result<(), NodeError> {
-        self.ensure_ready()?;
-        let _guard = self
-            .locks
-            .lock_within(volume.as_str(), self.settings.call_patience)
-            .await?;
+        let _guard = self.begin_call(volume).await?;
         let Some(mut record) = self.record(volume.as_str()) else {
             return Ok(());
         };

@@ -28,11 +28,7 @@ pub struct Stats {
 impl Node {
     pub async fn stats(&self, volume: &VolumeId, path: &Path) -> Result<Stats, NodeError> {
         self.ensure_ready()?;
-        let record = self
-            .record(volume.as_str())
-            .ok_or_else(|| NodeError::NotStaged {
-                volume: volume.to_string(),
-            })?;
+        let record = self.staged_record(volume)?;
         if !record.owns_path(path) {
             return Err(NodeError::NotAtPath {
                 volume: volume.to_string(),
