@@ -80,6 +80,12 @@ fn ext4() -> VolumeCapability {
     mount_capability("ext4", Mode::SingleNodeWriter)
 }
 
+/// INVALID_ARGUMENT, and the message names what is wrong.
+fn assert_invalid_naming(err: &tonic::Status, what: &str) {
+    assert_eq!(err.code(), Code::InvalidArgument, "{}", err.message());
+    assert!(err.message().contains(what), "{}", err.message());
+}
+
 fn image_file(c: &Controller, volume_id: &str) -> PathBuf {
     c.root
         .join("images")
@@ -531,8 +537,7 @@ async fn bad_input_gets_the_spec_code() {
         })
         .await
         .unwrap_err();
-    assert_eq!(err.code(), Code::InvalidArgument, "{}", err.message());
-    assert!(err.message().contains("node_id"), "{}", err.message());
+    assert_invalid_naming(&err, "node_id");
     let err = c
         .client
         .controller_publish_volume(ControllerPublishVolumeRequest {
@@ -543,12 +548,7 @@ async fn bad_input_gets_the_spec_code() {
         })
         .await
         .unwrap_err();
-    assert_eq!(err.code(), Code::InvalidArgument, "{}", err.message());
-    assert!(
-        err.message().contains("volume_capability"),
-        "{}",
-        err.message()
-    );
+    assert_invalid_naming(&err, "volume_capability");
     let err = c
         .client
         .create_snapshot(CreateSnapshotRequest {
@@ -558,12 +558,7 @@ async fn bad_input_gets_the_spec_code() {
         })
         .await
         .unwrap_err();
-    assert_eq!(err.code(), Code::InvalidArgument, "{}", err.message());
-    assert!(
-        err.message().contains("name is required"),
-        "{}",
-        err.message()
-    );
+    assert_invalid_naming(&err, "name is required");
 
     let cap = c
         .client

@@ -50,6 +50,15 @@ fn client(server_url: &str, dir: &Path, clock: &TestClock) -> UstorApi {
     .unwrap()
 }
 
+/// A server that knows the user `csi` by `password`, and a Secret that gives it `given`.
+async fn known_user(password: &str, given: &str) -> (FakeUstor, tempfile::TempDir) {
+    let server = FakeUstor::start().await.unwrap();
+    server.set_user("csi", password, None);
+    let dir = tempfile::tempdir().unwrap();
+    secret(dir.path(), "csi", given);
+    (server, dir)
+}
+
 #[tokio::test]
 async fn every_refusal_is_named() {
     let server = FakeUstor::start().await.unwrap();
@@ -95,10 +104,7 @@ async fn every_refusal_is_named() {
 
 #[tokio::test]
 async fn refused_credentials_wait_five_minutes_new_ones_do_not() {
-    let server = FakeUstor::start().await.unwrap();
-    server.set_user("csi", "right", None);
-    let dir = tempfile::tempdir().unwrap();
-    secret(dir.path(), "csi", "typo");
+    let (server, dir) = known_user("right", "typo").await;
     let clock = TestClock::new();
     let api = client(&server.url(), dir.path(), &clock);
 
@@ -127,10 +133,7 @@ async fn refused_credentials_wait_five_minutes_new_ones_do_not() {
 
 #[tokio::test]
 async fn an_idle_controller_logs_in_every_hour() {
-    let server = FakeUstor::start().await.unwrap();
-    server.set_user("csi", "pw", None);
-    let dir = tempfile::tempdir().unwrap();
-    secret(dir.path(), "csi", "pw");
+    let (server, dir) = known_user("pw", "pw").await;
     let clock = TestClock::new();
     let api = client(&server.url(), dir.path(), &clock);
     api.keepalive().await.unwrap();
@@ -145,10 +148,7 @@ async fn an_idle_controller_logs_in_every_hour() {
 
 #[tokio::test]
 async fn api_errors_map_to_csi_codes_and_tokens_are_renewed() {
-    let server = FakeUstor::start().await.unwrap();
-    server.set_user("csi", "pw", None);
-    let dir = tempfile::tempdir().unwrap();
-    secret(dir.path(), "csi", "pw");
+    let (server, dir) = known_user("pw", "pw").await;
     let api = client(&server.url(), dir.path(), &TestClock::new());
 
     let body = json!({"name": "k8s-pvc-1", "sizeBytes": 1u64 << 30, "source": null, "labels": {}});
@@ -206,10 +206,7 @@ async fn requests_are_counted_by_outcome_and_the_login_state_is_exported() {
     use controller_shim::backend::ustor::api::LoginState;
     use controller_shim::metrics::{ControllerMetrics, LoginStates};
 
-    let server = FakeUstor::start().await.unwrap();
-    server.set_user("csi", "pw", None);
-    let dir = tempfile::tempdir().unwrap();
-    secret(dir.path(), "csi", "pw");
+    let (server, dir) = known_user("pw", "pw").await;
     let figures = ControllerMetrics::default();
     let api = Arc::new(
         client(&server.url(), dir.path(), &TestClock::new())
