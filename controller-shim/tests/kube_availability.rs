@@ -77,9 +77,7 @@ async fn reconcilers_come_back_after_the_api_server_does() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "kube: needs the test API server (tests/kube/run)"]
 async fn two_replicas_never_both_write_and_the_follower_takes_over() {
-    let cluster = KubeCluster::start().unwrap();
-    install_crds(&cluster);
-    apply(&cluster, include_str!("../../deploy/namespace.yaml"));
+    let cluster = cluster_with_namespace();
     let client = client(&cluster).await;
     let replica = |name: &str| {
         Glue::start(

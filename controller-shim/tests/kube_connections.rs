@@ -44,9 +44,7 @@ fn authenticated(status: &controller_shim::kube::crd::ConnectionStatus) -> (Stri
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "kube: needs the test API server (tests/kube/run)"]
 async fn a_connection_names_what_is_wrong_and_logs_in_by_the_products_rules() {
-    let cluster = KubeCluster::start().unwrap();
-    install_crds(&cluster);
-    apply(&cluster, include_str!("../../deploy/namespace.yaml"));
+    let cluster = cluster_with_namespace();
     let ustor = testkit::fake_ustor::FakeUstor::start().await.unwrap();
     ustor.set_user("csi", "S3cret@1", None);
     let client = client(&cluster).await;
@@ -97,12 +95,7 @@ async fn a_connection_names_what_is_wrong_and_logs_in_by_the_products_rules() {
     assert_eq!(authenticated(&created), ("True".into(), "LoggedIn".into()));
     assert_eq!(ustor.logins(), 1);
     let version = api.get("main").await.unwrap().metadata.resource_version;
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    assert_eq!(
-        api.get("main").await.unwrap().metadata.resource_version,
-        version,
-        "status written again although nothing changed"
-    );
+    assert_not_rewritten(&api, "main", version).await;
     let wide = cluster
         .kubectl(&["get", "mindustorstorageconnections", "-o", "wide"])
         .unwrap();
@@ -227,9 +220,7 @@ async fn volumes_of_two_connections_live_on_their_own_ustor_clusters() {
     use csi_proto::csi::*;
     use testkit::csi::{controller_publish_request, create_volume_request, mount_capability};
 
-    let cluster = KubeCluster::start().unwrap();
-    install_crds(&cluster);
-    apply(&cluster, include_str!("../../deploy/namespace.yaml"));
+    let cluster = cluster_with_namespace();
     let (alpha, beta) = (
         testkit::fake_ustor::FakeUstor::start().await.unwrap(),
         testkit::fake_ustor::FakeUstor::start().await.unwrap(),

@@ -72,28 +72,18 @@ async fn a_storage_class_follows_its_resource_and_keeps_what_admins_set() {
     assert_eq!(Some(&owner.uid), created.metadata.uid.as_ref());
 
     // No writes when nothing changed: the resource version stays put.
-    let version = created.metadata.resource_version.clone();
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    assert_eq!(
-        classes.get("fast").await.unwrap().metadata.resource_version,
-        version,
-        "status written again although nothing changed"
-    );
+    assert_not_rewritten(&classes, "fast", created.metadata.resource_version.clone()).await;
 
     // An admin's annotation value is kept; a removed one of ours comes back.
-    let out = cluster
-        .kubectl(&[
+    kubectl_ok(
+        &cluster,
+        &[
             "annotate",
             "--overwrite",
             "storageclass/fast",
             "virtualdisk.virtualization.deckhouse.io/access-mode=ReadWriteOnce",
             "storage.deckhouse.io/volumesnapshotclass-",
-        ])
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+        ],
     );
     let annotations = eventually(
         "the removed annotation back",

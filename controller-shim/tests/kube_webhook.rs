@@ -81,9 +81,7 @@ fn claim_yaml(name: &str, class: &str, mode: &str, volume_mode: &str) -> String 
 #[ignore = "kube: needs the test API server (tests/kube/run)"]
 async fn the_webhook_refuses_what_the_guide_forbids_over_tls_with_a_renewed_certificate() {
     use controller_shim::kube::webhook::WebhookSettings;
-    let cluster = KubeCluster::start().unwrap();
-    install_crds(&cluster);
-    apply(&cluster, include_str!("../../deploy/namespace.yaml"));
+    let cluster = cluster_with_namespace();
     let (ca, crt, key, _pki) = make_certificate("first");
     let put_tls = |crt: &str, key: &str| {
         let yaml = cluster

@@ -79,18 +79,46 @@ pub fn apply(cluster: &KubeCluster, yaml: &str) {
 pub fn install_crds(cluster: &KubeCluster) {
     let crds = include_str!("../../../deploy/crds.yaml");
     apply(cluster, crds);
-    let out = cluster
-        .kubectl(&[
+    kubectl_ok(
+        cluster,
+        &[
             "wait",
             "--for=condition=established",
             "--timeout=60s",
             "crd/mindustorstorageconnections.storage.deckhouse.io",
             "crd/mindustorstorageclasses.storage.deckhouse.io",
-        ])
-        .unwrap();
+        ],
+    );
+}
+
+/// A test cluster with the CRDs served and the driver's namespace in it.
+pub fn cluster_with_namespace() -> KubeCluster {
+    let cluster = KubeCluster::start().unwrap();
+    install_crds(&cluster);
+    apply(&cluster, include_str!("../../../deploy/namespace.yaml"));
+    cluster
+}
+
+/// Nothing writes `name` again while nothing changes: its resource version stays `version`.
+pub async fn assert_not_rewritten<K>(api: &Api<K>, name: &str, version: Option<String>)
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        api.get(name).await.unwrap().meta().resource_version,
+        version,
+        "status written again although nothing changed"
+    );
+}
+
+/// `kubectl` with `args`; panics with kubectl's words when it fails.
+pub fn kubectl_ok(cluster: &KubeCluster, args: &[&str]) {
+    let out = cluster.kubectl(args).unwrap();
     assert!(
         out.status.success(),
-        "{}",
+        "kubectl {}: {}",
+        args.join(" "),
         String::from_utf8_lossy(&out.stderr)
     );
 }
