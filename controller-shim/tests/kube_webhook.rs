@@ -9,7 +9,7 @@ mod common;
 use controller_shim::kube::crd::MindUstorStorageConnection;
 use controller_shim::kube::crd::{MindUstorStorageClass, Phase};
 use controller_shim::kube::{Glue, Settings};
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::Api;
 use std::time::Duration;
 use testkit::kube_cluster::KubeCluster;
 use testkit::tls::TestPki;
@@ -207,34 +207,31 @@ async fn the_webhook_refuses_what_the_guide_forbids_over_tls_with_a_renewed_cert
     );
 
     // The fixed fields stay fixed; metadata does not.
-    let err = classes
-        .patch(
-            "fast",
-            &PatchParams::default(),
-            &Patch::Merge(serde_json::json!({ "spec": { "pool": "other" } })),
-        )
-        .await
-        .unwrap_err();
+    let err = merge_patch(
+        &classes,
+        "fast",
+        serde_json::json!({ "spec": { "pool": "other" } }),
+    )
+    .await
+    .unwrap_err();
     assert!(err.to_string().contains("cannot be changed"), "{err}");
-    classes
-        .patch(
-            "fast",
-            &PatchParams::default(),
-            &Patch::Merge(serde_json::json!({ "metadata": { "labels": { "team": "a" } } })),
-        )
-        .await
-        .unwrap();
+    merge_patch(
+        &classes,
+        "fast",
+        serde_json::json!({ "metadata": { "labels": { "team": "a" } } }),
+    )
+    .await
+    .unwrap();
     let connections: Api<MindUstorStorageConnection> = Api::all(client.clone());
     let move_connection = || async {
-        connections
-            .patch(
-                "main",
-                &PatchParams::default(),
-                &Patch::Merge(serde_json::json!({ "spec": { "controlPlane": { "address": "https://elsewhere:23004" } } })),
-            )
-            .await
-            .unwrap_err()
-            .to_string()
+        merge_patch(
+            &connections,
+            "main",
+            serde_json::json!({ "spec": { "controlPlane": { "address": "https://elsewhere:23004" } } }),
+        )
+        .await
+        .unwrap_err()
+        .to_string()
     };
     let err = move_connection().await;
     assert!(err.contains("cannot be changed"), "{err}");

@@ -112,6 +112,19 @@ where
     );
 }
 
+/// A JSON merge patch of `name`, as `kubectl patch --type merge` sends it.
+pub async fn merge_patch<K>(api: &Api<K>, name: &str, patch: serde_json::Value) -> kube::Result<K>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    api.patch(
+        name,
+        &kube::api::PatchParams::default(),
+        &kube::api::Patch::Merge(patch),
+    )
+    .await
+}
+
 /// `kubectl` with `args`; panics with kubectl's words when it fails.
 pub fn kubectl_ok(cluster: &KubeCluster, args: &[&str]) {
     let out = cluster.kubectl(args).unwrap();
