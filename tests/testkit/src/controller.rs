@@ -11,9 +11,7 @@ use tonic::transport::Channel;
 
 /// The controller binary: `$USTOR_CSI_CONTROLLER_BIN`, else `ustor-csi-controller` on PATH.
 pub fn binary() -> PathBuf {
-    std::env::var_os("USTOR_CSI_CONTROLLER_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| "ustor-csi-controller".into())
+    crate::binary_from_env("USTOR_CSI_CONTROLLER_BIN", "ustor-csi-controller")
 }
 
 #[derive(Debug)]

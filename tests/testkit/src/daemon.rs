@@ -12,9 +12,7 @@ use crate::csi::NodeClients;
 
 /// The daemon binary: `$USTOR_CSI_NODE_BIN`, else `ustor-csi-node` on PATH.
 pub fn binary() -> PathBuf {
-    std::env::var_os("USTOR_CSI_NODE_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| "ustor-csi-node".into())
+    crate::binary_from_env("USTOR_CSI_NODE_BIN", "ustor-csi-node")
 }
 
 #[derive(Debug)]
@@ -99,11 +97,7 @@ impl NodeDaemon {
     async fn wait_ready(&mut self) -> NodeClients {
         let started = Instant::now();
         loop {
-            if let Some(status) = self
-                .child
-                .as_mut()
-                .and_then(|c| c.try_wait().ok().flatten())
-            {
+            if let Some(status) = crate::exited(&mut self.child) {
                 panic!("the node daemon exited during start-up: {status}");
             }
             if let Ok(mut clients) = NodeClients::connect(&self.socket).await {
@@ -133,11 +127,7 @@ impl NodeDaemon {
     pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
         let started = Instant::now();
         while started.elapsed() < timeout {
-            if let Some(status) = self
-                .child
-                .as_mut()
-                .and_then(|c| c.try_wait().ok().flatten())
-            {
+            if let Some(status) = crate::exited(&mut self.child) {
                 self.child = None;
                 return Some(status);
             }

@@ -167,11 +167,7 @@ impl KubeCluster {
     fn wait_ready(&mut self, timeout: Duration) -> io::Result<()> {
         let started = Instant::now();
         loop {
-            if let Some(status) = self
-                .apiserver
-                .as_mut()
-                .and_then(|c| c.try_wait().ok().flatten())
-            {
+            if let Some(status) = crate::exited(&mut self.apiserver) {
                 return Err(io::Error::other(format!(
                     "kube-apiserver exited ({status}); its log: {}",
                     self.log_tail("apiserver.log")

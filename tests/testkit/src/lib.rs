@@ -25,6 +25,18 @@ pub mod wait;
 pub use direct::{pattern, AlignedBuf, DirectFile};
 pub use server::{Listen, NbdServer, ServerKind};
 
+/// A binary the tests run: the path in `env` when it is set, else `name` looked up on PATH.
+pub fn binary_from_env(env: &str, name: &str) -> std::path::PathBuf {
+    std::env::var_os(env)
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| name.into())
+}
+
+/// The exit status of `child` if it was started and has exited.
+pub fn exited(child: &mut Option<std::process::Child>) -> Option<std::process::ExitStatus> {
+    child.as_mut().and_then(|c| c.try_wait().ok().flatten())
+}
+
 /// A port free right now on loopback, for a server the test starts next (the port may be
 /// taken again before it binds; tests run one at a time per machine, so it is not).
 pub fn free_port() -> std::io::Result<u16> {
