@@ -172,12 +172,7 @@ async fn status_names_every_disagreement_and_exits_accordingly() {
         mounted.contains("globalmount") && mounted.contains("pods/pod-1"),
         "{mounted}"
     );
-    let foreign_row = st["devices"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|d| d["backend"] == "someone-else:1")
-        .unwrap();
+    let foreign_row = device_row_where(&st, "backend", "someone-else:1");
     assert_eq!(foreign_row["owner"], "foreign");
     assert!(foreign_row["problems"].as_array().unwrap().is_empty());
 
@@ -212,12 +207,7 @@ async fn status_names_every_disagreement_and_exits_accordingly() {
     std::fs::remove_file(fs_record).unwrap();
     let (code, st) = status_of(&daemon);
     assert_eq!(code, 1);
-    let row = st["devices"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|d| d["owner"] == "ours")
-        .unwrap();
+    let row = device_row_where(&st, "owner", "ours");
     assert!(
         row["problems"].to_string().contains("no journal record"),
         "{row}"

@@ -233,21 +233,18 @@ impl Volume {
     }
 
     pub async fn up(&self, c: &mut NodeClients) {
-        self.stage(c)
-            .await
-            .unwrap_or_else(|e| panic!("stage {}: {e:?}", self.id));
-        self.publish(c)
-            .await
-            .unwrap_or_else(|e| panic!("publish {}: {e:?}", self.id));
+        self.succeeded("stage", self.stage(c).await);
+        self.succeeded("publish", self.publish(c).await);
     }
 
     pub async fn down(&self, c: &mut NodeClients) {
-        self.unpublish(c)
-            .await
-            .unwrap_or_else(|e| panic!("unpublish {}: {e:?}", self.id));
-        self.unstage(c)
-            .await
-            .unwrap_or_else(|e| panic!("unstage {}: {e:?}", self.id));
+        self.succeeded("unpublish", self.unpublish(c).await);
+        self.succeeded("unstage", self.unstage(c).await);
+    }
+
+    /// Panics naming the step and this volume unless the step succeeded.
+    fn succeeded(&self, step: &str, result: Result<(), tonic::Status>) {
+        result.unwrap_or_else(|e| panic!("{step} {}: {e:?}", self.id));
     }
 
     /// The device the daemon attached for this volume, found by its identifier.
@@ -417,12 +414,21 @@ pub fn status_of(daemon: &NodeDaemon) -> (i32, serde_json::Value) {
 
 /// The device row of `volume` in a status.
 pub fn device_row<'a>(status: &'a serde_json::Value, volume: &str) -> &'a serde_json::Value {
+    device_row_where(status, "volume", volume)
+}
+
+/// The status' device row whose `field` is `value`; panics naming both when there is none.
+pub fn device_row_where<'a>(
+    status: &'a serde_json::Value,
+    field: &str,
+    value: &str,
+) -> &'a serde_json::Value {
     status["devices"]
         .as_array()
         .unwrap()
         .iter()
-        .find(|d| d["volume"] == volume)
-        .unwrap_or_else(|| panic!("no device row for {volume}: {status}"))
+        .find(|d| d[field] == value)
+        .unwrap_or_else(|| panic!("no device row with {field} {value}: {status}"))
 }
 
 /// The journal record of `volume`, as JSON.
