@@ -136,14 +136,14 @@ pub async fn greet<S>(stream: &mut S) -> Result<Greeting, HandshakeError>
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
-    let magic = read_u64(stream, "server greeting").await?;
+    let magic = step(stream.read_u64(), "server greeting").await?;
     if magic != NBDMAGIC {
         return Err(HandshakeError::BadMagic {
             during: "server greeting",
             got: magic,
         });
     }
-    match read_u64(stream, "server greeting").await? {
+    match step(stream.read_u64(), "server greeting").await? {
         IHAVEOPT => {}
         CLISERV_MAGIC => return Err(HandshakeError::OldStyle),
         got => {
@@ -153,7 +153,8 @@ where
             })
         }
     }
-    let server = HandshakeFlags::from_bits_retain(read_u16(stream, "handshake flags").await?);
+    let server =
+        HandshakeFlags::from_bits_retain(step(stream.read_u16(), "handshake flags").await?);
     let mut client = ClientFlags::empty();
     let fixed_newstyle = server.contains(HandshakeFlags::FIXED_NEWSTYLE);
     if fixed_newstyle {
@@ -163,7 +164,11 @@ where
     if no_zeroes {
         client |= ClientFlags::NO_ZEROES;
     }
-    write_all(stream, &client.bits().to_be_bytes(), "client flags").await?;
+    step(
+        stream.write_all(&client.bits().to_be_bytes()),
+        "client flags",
+    )
+    .await?;
     Ok(Greeting {
         fixed_newstyle,
         no_zeroes,
@@ -295,11 +300,13 @@ where
         },
         other => other,
     };
-    let size = read_u64(stream, "export size").await.map_err(rejected)?;
-    let flags = flags(read_u16(stream, "transmission flags").await?)?;
+    let size = step(stream.read_u64(), "export size")
+        .await
+        .map_err(rejected)?;
+    let flags = flags(step(stream.read_u16(), "transmission flags").await?)?;
     if !no_zeroes {
         let mut zeroes = [0u8; 124];
-        read_exact(stream, &mut zeroes, "export padding").await?;
+        step(stream.read_exact(&mut zeroes), "export padding").await?;
     }
     Ok(ExportInfo {
         size,
@@ -400,7 +407,7 @@ where
     })?;
     buf.extend_from_slice(&len.to_be_bytes());
     buf.extend_from_slice(data);
-    write_all(stream, &buf, "option request").await?;
+    step(stream.write_all(&buf), "option request").await?;
     stream.flush().await.map_err(|source| HandshakeError::Io {
         during: "option request",
         source,
@@ -412,22 +419,22 @@ where
     S: AsyncRead + Unpin,
 {
     const DURING: &str = "option reply";
-    let magic = read_u64(stream, DURING).await?;
+    let magic = step(stream.read_u64(), DURING).await?;
     if magic != OPT_REPLY_MAGIC {
         return Err(HandshakeError::BadMagic {
             during: DURING,
             got: magic,
         });
     }
-    let got = read_u32(stream, DURING).await?;
+    let got = step(stream.read_u32(), DURING).await?;
     if got != option {
         return Err(HandshakeError::WrongOption {
             expected: option,
             got,
         });
     }
-    let kind = read_u32(stream, DURING).await?;
-    let len = read_u32(stream, DURING).await?;
+    let kind = step(stream.read_u32(), DURING).await?;
+    let len = step(stream.read_u32(), DURING).await?;
     if len > MAX_REPLY_LEN {
         return Err(HandshakeError::Oversized {
             len,
@@ -435,7 +442,7 @@ where
         });
     }
     let mut data = vec![0; len as usize];
-    read_exact(stream, &mut data, DURING).await?;
+    step(stream.read_exact(&mut data), DURING).await?;
     Ok(Reply { kind, data })
 }
 
@@ -447,45 +454,12 @@ fn io_error(during: &'static str, source: io::Error) -> HandshakeError {
     }
 }
 
-async fn read_exact<S: AsyncRead + Unpin>(
-    stream: &mut S,
-    buf: &mut [u8],
+/// One read or write of the handshake, its failure named by what it was `during`.
+async fn step<T>(
+    op: impl std::future::Future<Output = io::Result<T>>,
     during: &'static str,
-) -> Result<(), HandshakeError> {
-    stream
-        .read_exact(buf)
-        .await
-        .map(drop)
-        .map_err(|e| io_error(during, e))
-}
-
-async fn read_u64<S: AsyncRead + Unpin>(
-    s: &mut S,
-    during: &'static str,
-) -> Result<u64, HandshakeError> {
-    s.read_u64().await.map_err(|e| io_error(during, e))
-}
-
-async fn read_u32<S: AsyncRead + Unpin>(
-    s: &mut S,
-    during: &'static str,
-) -> Result<u32, HandshakeError> {
-    s.read_u32().await.map_err(|e| io_error(during, e))
-}
-
-async fn read_u16<S: AsyncRead + Unpin>(
-    s: &mut S,
-    during: &'static str,
-) -> Result<u16, HandshakeError> {
-    s.read_u16().await.map_err(|e| io_error(during, e))
-}
-
-async fn write_all<S: AsyncWrite + Unpin>(
-    s: &mut S,
-    buf: &[u8],
-    during: &'static str,
-) -> Result<(), HandshakeError> {
-    s.write_all(buf).await.map_err(|e| io_error(during, e))
+) -> Result<T, HandshakeError> {
+    op.await.map_err(|e| io_error(during, e))
 }
 
 #[cfg(test)]
