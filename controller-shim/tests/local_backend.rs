@@ -527,28 +527,27 @@ async fn bad_input_gets_the_spec_code() {
 
     // Required fields are checked before the volume is looked up (csi-sanity): a missing
     // one is INVALID_ARGUMENT even when the id names nothing.
-    let err = c
-        .client
-        .controller_publish_volume(ControllerPublishVolumeRequest {
-            volume_id: "some-vol-id".into(),
-            node_id: String::new(),
-            volume_capability: Some(ext4()),
-            ..Default::default()
-        })
-        .await
-        .unwrap_err();
-    assert_invalid_naming(&err, "node_id");
-    let err = c
-        .client
-        .controller_publish_volume(ControllerPublishVolumeRequest {
-            volume_id: "local:volume:test-nope".into(),
-            node_id: "node-a".into(),
-            volume_capability: None,
-            ..Default::default()
-        })
-        .await
-        .unwrap_err();
-    assert_invalid_naming(&err, "volume_capability");
+    for (volume_id, node_id, volume_capability, missing) in [
+        ("some-vol-id", "", Some(ext4()), "node_id"),
+        (
+            "local:volume:test-nope",
+            "node-a",
+            None,
+            "volume_capability",
+        ),
+    ] {
+        let err = c
+            .client
+            .controller_publish_volume(ControllerPublishVolumeRequest {
+                volume_id: volume_id.into(),
+                node_id: node_id.into(),
+                volume_capability,
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_invalid_naming(&err, missing);
+    }
     let err = c
         .client
         .create_snapshot(CreateSnapshotRequest {
