@@ -322,6 +322,17 @@ enum Info {
     Other,
 }
 
+/// What follows the 2-byte type of an info reply that is `N` bytes long exactly.
+fn info_body<const N: usize>(data: &[u8], name: &str) -> Result<[u8; N], HandshakeError> {
+    data[2..].try_into().map_err(|_| {
+        HandshakeError::Malformed(format!(
+            "{name} is {} bytes, expected {}",
+            data.len(),
+            N + 2
+        ))
+    })
+}
+
 fn parse_info(data: &[u8]) -> Result<Info, HandshakeError> {
     let kind = data
         .get(..2)
@@ -329,23 +340,13 @@ fn parse_info(data: &[u8]) -> Result<Info, HandshakeError> {
         .ok_or_else(|| HandshakeError::Malformed("NBD_REP_INFO shorter than its type".into()))?;
     match kind {
         info::EXPORT => {
-            let body: [u8; 10] = data[2..].try_into().map_err(|_| {
-                HandshakeError::Malformed(format!(
-                    "NBD_INFO_EXPORT is {} bytes, expected 12",
-                    data.len()
-                ))
-            })?;
+            let body: [u8; 10] = info_body(data, "NBD_INFO_EXPORT")?;
             let size = u64::from_be_bytes(body[..8].try_into().unwrap_or_default());
             let flags = flags(u16::from_be_bytes([body[8], body[9]]))?;
             Ok(Info::Export { size, flags })
         }
         info::BLOCK_SIZE => {
-            let body: [u8; 12] = data[2..].try_into().map_err(|_| {
-                HandshakeError::Malformed(format!(
-                    "NBD_INFO_BLOCK_SIZE is {} bytes, expected 14",
-                    data.len()
-                ))
-            })?;
+            let body: [u8; 12] = info_body(data, "NBD_INFO_BLOCK_SIZE")?;
             let word =
                 |i: usize| u32::from_be_bytes([body[i], body[i + 1], body[i + 2], body[i + 3]]);
             let sizes = BlockSizes {
