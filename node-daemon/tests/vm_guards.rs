@@ -60,17 +60,7 @@ async fn read_only_means_read_only_for_block_volumes() {
     // A read-only publish of a writable attachment: the device refuses writes meanwhile.
     let vol = Volume::new(&daemon, "ro-publish", 32 * MIB, block());
     vol.stage(&mut c).await.unwrap();
-    c.node
-        .node_publish_volume(publish_request(
-            &vol.id,
-            &vol.staging,
-            &vol.target,
-            vol.cap.clone(),
-            &vol.uri(),
-            true,
-        ))
-        .await
-        .unwrap();
+    vol.publish_at(&mut c, &vol.target, true).await.unwrap();
     let index = vol.device(&daemon).unwrap();
     assert!(sysfs.read_only(index).unwrap());
     let err = DirectFile::open(&vol.target, true)

@@ -637,18 +637,7 @@ async fn bad_input_gets_the_spec_code_and_changes_nothing() {
     rwop.up(&mut c).await;
     let second = daemon.scratch().join("pods/pod-2/volumes/rwop/mount");
     std::fs::create_dir_all(second.parent().unwrap()).unwrap();
-    let err = c
-        .node
-        .node_publish_volume(publish_request(
-            "rwop",
-            &rwop.staging,
-            &second,
-            rwop.cap.clone(),
-            &rwop.uri(),
-            false,
-        ))
-        .await
-        .unwrap_err();
+    let err = rwop.publish_at(&mut c, &second, false).await.unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition);
     // Unstage while published is refused and detaches nothing.
     let err = rwop.unstage(&mut c).await.unwrap_err();
@@ -705,17 +694,7 @@ async fn data_is_never_reformatted_restored_volumes_grow_readonly_is_honoured() 
     // A second, read-only publish of the same volume.
     let ro_target = daemon.scratch().join("pods/pod-ro/volumes/keeper/mount");
     std::fs::create_dir_all(ro_target.parent().unwrap()).unwrap();
-    c.node
-        .node_publish_volume(publish_request(
-            &vol.id,
-            &vol.staging,
-            &ro_target,
-            vol.cap.clone(),
-            &vol.uri(),
-            true,
-        ))
-        .await
-        .unwrap();
+    vol.publish_at(&mut c, &ro_target, true).await.unwrap();
     let err = std::fs::write(ro_target.join("nope"), b"x").unwrap_err();
     assert_eq!(err.raw_os_error(), Some(libc::EROFS), "{err}");
     assert!(std::fs::read(ro_target.join("keep")).is_ok());

@@ -191,13 +191,23 @@ impl Volume {
     }
 
     pub async fn publish(&self, c: &mut NodeClients) -> Result<(), tonic::Status> {
+        self.publish_at(c, &self.target, false).await
+    }
+
+    /// NodePublishVolume to `target` (a second pod's, or this volume's), read-only or not.
+    pub async fn publish_at(
+        &self,
+        c: &mut NodeClients,
+        target: &Path,
+        readonly: bool,
+    ) -> Result<(), tonic::Status> {
         let req = publish_request(
             &self.id,
             &self.staging,
-            &self.target,
+            target,
             self.cap.clone(),
             &self.uri(),
-            false,
+            readonly,
         );
         c.node
             .node_publish_volume(self.with_context(req, |r| &mut r.volume_context))
