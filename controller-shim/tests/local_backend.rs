@@ -122,12 +122,7 @@ fn write(path: &Path, offset: u64, data: &[u8]) {
 }
 
 fn read(path: &Path, offset: u64, len: usize) -> Vec<u8> {
-    let mut buf = vec![0; len];
-    std::fs::File::open(path)
-        .unwrap()
-        .read_exact_at(&mut buf, offset)
-        .unwrap();
-    buf
+    testkit::read_at(path, offset, len)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -41,13 +41,7 @@ impl Backing {
     }
 
     fn read(&self, offset: u64, len: usize) -> Vec<u8> {
-        use std::os::unix::fs::FileExt;
-        let mut buf = vec![0; len];
-        std::fs::File::open(&self.path)
-            .unwrap()
-            .read_exact_at(&mut buf, offset)
-            .unwrap();
-        buf
+        testkit::read_at(&self.path, offset, len)
     }
 }
 

@@ -279,12 +279,7 @@ impl Volume {
     }
 
     pub fn read_backing(&self, offset: u64, len: usize) -> Vec<u8> {
-        let mut buf = vec![0; len];
-        std::fs::File::open(&self.backing)
-            .unwrap()
-            .read_exact_at(&mut buf, offset)
-            .unwrap();
-        buf
+        testkit::read_at(&self.backing, offset, len)
     }
 }
 

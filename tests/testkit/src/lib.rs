@@ -32,6 +32,16 @@ pub fn binary_from_env(env: &str, name: &str) -> std::path::PathBuf {
         .unwrap_or_else(|| name.into())
 }
 
+/// `len` bytes of the file at `path` from `offset`, read through the page cache.
+pub fn read_at(path: &std::path::Path, offset: u64, len: usize) -> Vec<u8> {
+    use std::os::unix::fs::FileExt;
+    let mut buf = vec![0; len];
+    std::fs::File::open(path)
+        .and_then(|f| f.read_exact_at(&mut buf, offset))
+        .unwrap_or_else(|e| panic!("read {} at {offset}: {e}", path.display()));
+    buf
+}
+
 /// The exit status of `child` if it was started and has exited.
 pub fn exited(child: &mut Option<std::process::Child>) -> Option<std::process::ExitStatus> {
     child.as_mut().and_then(|c| c.try_wait().ok().flatten())
