@@ -75,13 +75,20 @@ struct Forward {
     controller: Channel,
 }
 
+impl Forward {
+    /// The daemon's identity service: plugin info and probe are the node's.
+    fn node_identity(&self) -> IdentityClient<Channel> {
+        IdentityClient::new(self.node.clone())
+    }
+}
+
 #[tonic::async_trait]
 impl Identity for Forward {
     async fn get_plugin_info(
         &self,
         request: Request<GetPluginInfoRequest>,
     ) -> Result<Response<GetPluginInfoResponse>, Status> {
-        IdentityClient::new(self.node.clone())
+        self.node_identity()
             .get_plugin_info(request.into_inner())
             .await
     }
@@ -112,9 +119,7 @@ impl Identity for Forward {
         &self,
         request: Request<ProbeRequest>,
     ) -> Result<Response<ProbeResponse>, Status> {
-        IdentityClient::new(self.node.clone())
-            .probe(request.into_inner())
-            .await
+        self.node_identity().probe(request.into_inner()).await
     }
 }
 
