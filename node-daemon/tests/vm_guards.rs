@@ -4,6 +4,7 @@
 //! held connections. Ignored on the host; run in the VM on every kernel line by `tests/vm/run`.
 
 #![allow(clippy::unwrap_used)] // a test fails by panicking
+#![allow(clippy::cast_possible_truncation)] // buffer sizes of a few MiB, on 64-bit guests
 
 use std::path::Path;
 

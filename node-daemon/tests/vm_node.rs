@@ -2,6 +2,7 @@
 //! it. Ignored on the host; run in the VM on every kernel line by `tests/vm/run`.
 
 #![allow(clippy::unwrap_used)] // a test fails by panicking
+#![allow(clippy::cast_possible_truncation)] // buffer sizes of a few MiB, on 64-bit guests
 
 use std::os::unix::fs::FileExt;
 use std::path::Path;

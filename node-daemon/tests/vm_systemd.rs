@@ -4,6 +4,7 @@
 //! Ignored on the host (they need that machine).
 
 #![allow(clippy::unwrap_used)] // a test fails by panicking
+#![allow(clippy::cast_possible_truncation)] // buffer sizes of a few MiB, on 64-bit guests
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

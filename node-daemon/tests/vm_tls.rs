@@ -4,6 +4,7 @@
 //! VM on every kernel line by `tests/vm/run`.
 
 #![allow(clippy::unwrap_used)] // a test fails by panicking
+#![allow(clippy::cast_possible_truncation)] // buffer sizes of a few MiB, on 64-bit guests
 
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -381,7 +381,7 @@ pub fn sparse_copy(from: &Path, to: &Path) {
         let hole = unsafe { libc::lseek(src.as_raw_fd(), data, libc::SEEK_HOLE) };
         let mut at = data;
         while at < hole {
-            let n = ((hole - at) as usize).min(buf.len());
+            let n = usize::try_from(hole - at).map_or(buf.len(), |left| left.min(buf.len()));
             src.read_exact_at(&mut buf[..n], at as u64).unwrap();
             dst.write_all_at(&buf[..n], at as u64).unwrap();
             at += n as i64;
@@ -459,7 +459,9 @@ pub fn image_uuid(image: &Path) -> String {
 /// Disconnects a volume's device behind the daemon's back, as a reboot or an operator would.
 pub async fn disconnect_behind_the_back(vol: &Volume, daemon: &NodeDaemon) {
     let sysfs = Sysfs::default();
-    let index = vol.device(daemon).expect("the volume has a device");
+    let Some(index) = vol.device(daemon) else {
+        panic!("volume {} has no device to disconnect", vol.id);
+    };
     let id = BackendId::new(sysfs.backend(index).unwrap().unwrap()).unwrap();
     let proven = sysfs.prove(index, &id).unwrap();
     NbdNetlink::open()
