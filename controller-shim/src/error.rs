@@ -1,7 +1,7 @@
 //! Everything a controller call can fail with, by where it failed: the request
 //! ([`RequestError`]), an id or name ([`IdError`]), the storage ([`BackendError`]), or the
 //! volume's or snapshot's state ([`VolumeError`], [`SnapshotError`]). The gRPC code each
-//! becomes is chosen in one table, `service::status`.
+//! becomes is chosen in one table, `service::codes`.
 
 use crate::backend::BackendError;
 use crate::ids::IdError;

@@ -1,7 +1,7 @@
 //! `ustor-csi-controller`: CSI Identity and Controller for the provisioning sidecars.
 //!
 //! - [`server`]: starts it all (backend, Kubernetes glue, metrics, the gRPC services).
-//! - [`service`]: the gRPC surface, wire only; [`service::status`] is the one table from an
+//! - [`service`]: the gRPC surface, wire only; [`service::codes`] is the one table from an
 //!   error to its gRPC code.
 //! - [`request`]: request validation (required fields, sizes, parameters, capabilities).
 //! - [`provision`]: the domain: volumes, publications, snapshots.

@@ -12,7 +12,7 @@ use controller_shim::backend::ustor::api::UstorApi;
 use controller_shim::backend::ustor::credentials::CredentialsDir;
 use controller_shim::backend::ustor::error::UstorError;
 use controller_shim::backend::ustor::login::Timing;
-use controller_shim::service::status::ustor_code;
+use controller_shim::service::codes::ustor_code;
 use reqwest::Method;
 use serde_json::{json, Value};
 use testkit::fake_ustor::FakeUstor;

@@ -1,6 +1,6 @@
 //! What a storage backend call can fail with. Each backend has its own enum, one variant per
 //! failed step; [`BackendError`] gathers them for the [`Backend`](super::Backend) trait.
-//! Which gRPC code each becomes is decided in `service::status`, nowhere else.
+//! Which gRPC code each becomes is decided in `service::codes`, nowhere else.
 
 use super::connections::ConnectionError;
 use super::local::LocalError;

@@ -1,7 +1,7 @@
 //! The controller's domain: volumes, their publications and snapshots over a [`Backend`].
 //! Each operation takes the CSI request, checks it ([`crate::request`]), takes the locks of
 //! the images it touches, and gives the CSI answer or a typed error; which gRPC code that
-//! error becomes is `service::status`'s business.
+//! error becomes is `service::codes`'s business.
 //!
 //! - [`volumes`]: create, delete, expand, validate capabilities, capacity;
 //! - [`publish`]: ControllerPublish/Unpublish bookkeeping and the node check;

@@ -14,7 +14,7 @@ use tracing::field::Empty;
 use tracing::Instrument;
 
 use super::rpc::Rpc;
-use super::status;
+use super::codes;
 use crate::error::Error;
 use crate::metrics::ControllerMetrics;
 use crate::provision::Provisioner;
@@ -81,7 +81,7 @@ impl ControllerService {
         let started = std::time::Instant::now();
         let result = work(request).instrument(span.clone()).await;
         let answer = result.map(Response::new).map_err(|e| {
-            let status = status::status(rpc, &e);
+            let status = codes::status(rpc, &e);
             span.in_scope(|| {
                 tracing::warn!(code = ?status.code(), message = status.message(), "failed");
             });

@@ -1,8 +1,8 @@
 //! The gRPC services for the provisioning sidecars, wire only: [`controller`] hands each
-//! RPC to the domain (`crate::provision`) through one wrapper, [`status`] is the one table
+//! RPC to the domain (`crate::provision`) through one wrapper, [`codes`] is the one table
 //! from an error to the gRPC code, [`rpc`] names the RPCs.
 
 pub mod controller;
 pub mod identity;
 pub mod rpc;
-pub mod status;
+pub mod codes;

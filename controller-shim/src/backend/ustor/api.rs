@@ -255,7 +255,7 @@ impl UstorApi {
         if let Some((metrics, connection)) = &self.metrics {
             let outcome = match &result {
                 Ok(_) => "Ok".to_owned(),
-                Err(e) => format!("{:?}", crate::service::status::ustor_code(e)),
+                Err(e) => format!("{:?}", crate::service::codes::ustor_code(e)),
             };
             metrics.count(connection, method.as_str(), outcome);
         }
