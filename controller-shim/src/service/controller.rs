@@ -13,8 +13,8 @@ use tonic::{Request, Response, Status};
 use tracing::field::Empty;
 use tracing::Instrument;
 
-use super::rpc::Rpc;
 use super::codes;
+use super::rpc::Rpc;
 use crate::error::Error;
 use crate::metrics::ControllerMetrics;
 use crate::provision::Provisioner;

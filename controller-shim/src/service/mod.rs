@@ -2,7 +2,7 @@
 //! RPC to the domain (`crate::provision`) through one wrapper, [`codes`] is the one table
 //! from an error to the gRPC code, [`rpc`] names the RPCs.
 
+pub mod codes;
 pub mod controller;
 pub mod identity;
 pub mod rpc;
-pub mod codes;
