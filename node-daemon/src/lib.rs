@@ -31,6 +31,7 @@ pub mod repair;
 pub mod request;
 pub mod server;
 pub mod service;
+pub mod state_lock;
 pub mod status;
 pub mod systemd;
 pub mod volumes;

@@ -121,6 +121,8 @@ fn repair(common: &Common, csi_endpoint: Option<String>, apply: bool) -> Result<
         !st.daemon_running,
         "the node daemon is running: stop it first (systemctl stop ustor-csi-node), repair must not race it"
     );
+    // Held while the plan is carried out: a daemon started meanwhile waits for it.
+    let _state_lock = node_daemon::state_lock::StateLock::try_take(&s.state_dir)?;
     let done = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?

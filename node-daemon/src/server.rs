@@ -31,6 +31,7 @@ use crate::recovery;
 use crate::service::identity::IdentityService;
 use crate::service::node::NodeService;
 use crate::service::registration::RegistrationService;
+use crate::state_lock::{StateLock, StateLockError};
 
 /// Why the daemon did not start, or stopped serving: one variant per step of the start-up order
 /// above, each keeping its cause.
@@ -42,6 +43,9 @@ pub enum StartError {
     /// The LINK_DEAD multicast group could not be joined.
     #[error("subscribing to LINK_DEAD: {0}")]
     LinkDead(#[source] nbd::Error),
+    /// The state directory's lock could not be taken.
+    #[error(transparent)]
+    StateLock(#[from] StateLockError),
     /// The attachment journal could not be opened.
     #[error(transparent)]
     Journal(#[from] JournalError),
@@ -77,6 +81,14 @@ pub async fn run(settings: Settings) -> Result<(), StartError> {
     nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o077));
     // Sockets the previous daemon parked in systemd's store, owned from here on.
     let stored = held::from_systemd();
+    // Held until the process ends: `repair --apply` never acts while this daemon does.
+    let dir = settings.state_dir.clone();
+    let _state_lock = tokio::task::spawn_blocking(move || StateLock::take_waiting(&dir))
+        .await
+        .map_err(|source| StartError::ServerTask {
+            what: "the state lock",
+            source,
+        })??;
     let nl = open_netlink().await?;
     let events = LinkDeadEvents::subscribe()
         .await

@@ -335,3 +335,60 @@ async fn repair_cleans_what_status_flags_and_nothing_else() {
     assert_eq!(code, 0, "{clean}");
     assert_clean(&daemon);
 }
+
+/// The state directory's lock keeps `repair --apply` and the daemon apart: a repair refuses
+/// while the lock is held (a daemon whose socket is not up yet, crash-looping), and a daemon
+/// started during a repair waits for it instead of recovering beside it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn repair_and_the_daemon_never_act_at_once() {
+    use node_daemon::state_lock::StateLock;
+    let (mut daemon, mut c) = start_node("state-lock").await;
+    let gone = Volume::new(&daemon, "lk-gone", 32 * MIB, block());
+    gone.up(&mut c).await;
+    drop(c);
+    daemon.kill();
+    disconnect_behind_the_back(&gone, &daemon).await;
+    let (code, plan) = repair_of(&daemon, false);
+    assert_eq!(code, 0, "{plan}");
+    assert!(
+        plan.contains("would forget the journal record of lk-gone"),
+        "{plan}"
+    );
+
+    // Whoever holds the lock (here: this test, as a daemon that has not bound its socket yet
+    // would), `repair --apply` refuses and changes nothing.
+    let held = StateLock::try_take(&daemon.state_dir).unwrap();
+    let (code, refused) = repair_of(&daemon, true);
+    assert_ne!(code, 0, "{refused}");
+    assert!(
+        refused.contains("the state directory is in use"),
+        "{refused}"
+    );
+    assert!(
+        refused.contains(&format!("by pid {}", std::process::id())),
+        "names the holder: {refused}"
+    );
+    assert_eq!(daemon.journal_files().len(), 1, "the record is still there");
+
+    // A daemon started while the lock is held (a repair running) waits: it serves nothing and
+    // recovers nothing until the lock is let go.
+    daemon.spawn(None);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        NodeClients::connect(&daemon.socket).await.is_err(),
+        "the daemon serves while a repair holds the state directory"
+    );
+    assert_eq!(daemon.journal_files().len(), 1, "recovery waited");
+    drop(held);
+    let mut c = daemon.wait_ready().await;
+
+    // And the running daemon holds it for as long as it runs.
+    let taken = StateLock::try_take(&daemon.state_dir);
+    assert!(
+        matches!(&taken, Err(node_daemon::state_lock::StateLockError::Held { holder: Some(pid), .. }) if *pid != std::process::id()),
+        "the daemon holds the state directory: {taken:?}"
+    );
+    gone.down(&mut c).await;
+    assert_clean(&daemon);
+}

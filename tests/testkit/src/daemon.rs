@@ -61,6 +61,12 @@ impl NodeDaemon {
 
     /// Starts the daemon (crash points armed if given) and waits until its Probe says ready.
     pub async fn start(&mut self, failpoints: Option<&str>) -> NodeClients {
+        self.spawn(failpoints);
+        self.wait_ready().await
+    }
+
+    /// Starts the daemon process without waiting for it ([`NodeDaemon::wait_ready`] does).
+    pub fn spawn(&mut self, failpoints: Option<&str>) {
         assert!(self.child.is_none(), "already running");
         let mut cmd = Command::new(binary());
         cmd.arg("serve")
@@ -91,10 +97,10 @@ impl NodeDaemon {
             cmd.spawn()
                 .unwrap_or_else(|e| panic!("starting {:?}: {e}", binary())),
         );
-        self.wait_ready().await
     }
 
-    async fn wait_ready(&mut self) -> NodeClients {
+    /// Waits until the started daemon's Probe says ready; panics if it exits or takes a minute.
+    pub async fn wait_ready(&mut self) -> NodeClients {
         let started = Instant::now();
         loop {
             if let Some(status) = crate::exited(&mut self.child) {
