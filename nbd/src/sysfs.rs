@@ -128,6 +128,14 @@ impl Sysfs {
         Ok(None)
     }
 
+    /// Whether anyone has the device connected, with or without a backend identifier: a
+    /// size, or the `pid` attribute the driver creates at CONNECT (or NBD_DO_IT, for
+    /// `nbd-client` and `qemu-nbd -c`, which carry no identifier) and removes when the
+    /// device is let go. A device that carries no identifier and is not in use is free.
+    pub fn in_use(&self, index: DeviceIndex) -> Result<bool, Error> {
+        Ok(self.attr(index, "pid").exists() || self.size_bytes(index)? > 0)
+    }
+
     /// Size of the device in bytes (0 when not configured).
     pub fn size_bytes(&self, index: DeviceIndex) -> Result<u64, Error> {
         let (path, text) = self.read_attr(index, "size")?;

@@ -102,3 +102,85 @@ pub fn flush(dev: &Path) -> Result<(), BlockdevError> {
         .and_then(|f| f.sync_all())
         .map_err(BlockdevError::at("flushing", dev))
 }
+
+/// A read of a device, bypassing the page cache, that failed: the export is there but its
+/// data cannot be read (a degraded backend, a link healing mid-call). Never a sign that
+/// the device is blank.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "{} could not be read at {offset}+{len} ({source}): the export's server may be degraded; \
+     nothing is formatted, resized or detached until it reads again",
+    device.display()
+)]
+pub struct UnreadableError {
+    pub device: PathBuf,
+    pub offset: u64,
+    pub len: usize,
+    pub source: std::io::Error,
+}
+
+/// How much of each end of a device [`read_edges`] reads: every signature `blkid` looks for
+/// (superblocks, partition tables and their backups, LVM, LUKS, RAID) lies within it.
+pub const EDGE: usize = 1 << 20;
+
+const DIRECT_ALIGN: usize = 4096;
+
+/// Reads `len` bytes at `offset` with O_DIRECT: from the export, not from the page cache.
+/// Blocks while the link is down: call it through `off_runtime`.
+pub fn read_direct(dev: &Path, offset: u64, len: usize) -> Result<(), UnreadableError> {
+    use std::os::unix::fs::{FileExt, OpenOptionsExt};
+    let failed = |source| UnreadableError {
+        device: dev.to_owned(),
+        offset,
+        len,
+        source,
+    };
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(dev)
+        .map_err(failed)?;
+    // O_DIRECT wants an aligned buffer: over-allocate and read into an aligned window.
+    let mut storage = vec![0u8; len + DIRECT_ALIGN];
+    let start = storage.as_ptr().align_offset(DIRECT_ALIGN);
+    file.read_exact_at(&mut storage[start..start + len], offset)
+        .map_err(failed)
+}
+
+/// Reads the first and the last [`EDGE`] of the device with O_DIRECT. What `blkid` decides
+/// from is readable only if this succeeds: `blkid -p` exits 2 both when it finds nothing and
+/// when it cannot read, so a device is called blank only between two such reads.
+pub fn read_edges(dev: &Path) -> Result<(), UnreadableError> {
+    use std::io::{Seek, SeekFrom};
+    let size = std::fs::File::open(dev)
+        .and_then(|mut f| f.seek(SeekFrom::End(0)))
+        .map_err(|source| UnreadableError {
+            device: dev.to_owned(),
+            offset: 0,
+            len: 0,
+            source,
+        })?;
+    let aligned = size - size % DIRECT_ALIGN as u64;
+    let len = usize::try_from(aligned).map_or(EDGE, |s| s.min(EDGE));
+    if len == 0 {
+        return Ok(());
+    }
+    read_direct(dev, 0, len)?;
+    read_direct(dev, aligned - len as u64, len)
+}
+
+/// Whether the device reads its last 4 KiB of `size`, bypassing the page cache: the server
+/// serves the whole (new) size on the device's connections. A server that does not answers
+/// that read with an error, as a degraded one does any read: the first 4 KiB tell them apart,
+/// and a device that cannot read those is [`UnreadableError`], not "too small".
+pub fn serves_size(dev: &Path, size: u64) -> Result<bool, UnreadableError> {
+    const BLOCK: usize = DIRECT_ALIGN;
+    if size < BLOCK as u64 {
+        return Ok(true);
+    }
+    if read_direct(dev, size - BLOCK as u64, BLOCK).is_ok() {
+        return Ok(true);
+    }
+    read_direct(dev, 0, BLOCK)?;
+    Ok(false)
+}

@@ -8,9 +8,9 @@
 //! (recorded in the journal at attach and heal), and the device is reconnected.
 
 use std::os::fd::OwnedFd;
-use std::path::Path;
 use std::time::{Duration, Instant};
 
+use nbd::handshake::ExportInfo;
 use nbd::sysfs::ProvenDevice;
 use socket2::SockRef;
 
@@ -107,6 +107,98 @@ pub enum ConnectionsError {
         "the kernel's TCP socket diagnostics are not loaded (modprobe tcp_diag): cannot tell which connections are the device's"
     )]
     NoSocketDiagnostics,
+    /// The re-dialed export is not the one under the device (a failover or a restore gave
+    /// another image): splicing it in would put it under a live filesystem.
+    #[error(
+        "the export of volume {volume} came back different: it {}; not reconnecting the device to it \
+         (retrying with back-off, in case the server comes back as it was)",
+        differences.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", and it ")
+    )]
+    ExportChanged {
+        volume: String,
+        differences: Vec<Difference>,
+    },
+}
+
+/// How a re-dialed export differs from what the device was attached with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Difference {
+    Smaller { export: u64, device: u64 },
+    ReadOnly { now: bool },
+    LostFlush,
+    LostFua,
+    LostMultiConn { connections: usize },
+}
+
+impl Difference {
+    /// The metric label.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Difference::Smaller { .. } => "smaller",
+            Difference::ReadOnly { .. } => "read_only",
+            Difference::LostFlush => "flush",
+            Difference::LostFua => "fua",
+            Difference::LostMultiConn { .. } => "multi_conn",
+        }
+    }
+}
+
+impl std::fmt::Display for Difference {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Difference::Smaller { export, device } => {
+                write!(f, "is {export} bytes, smaller than the device's {device}")
+            }
+            Difference::ReadOnly { now: true } => write!(f, "is read-only, the device was writable"),
+            Difference::ReadOnly { now: false } => {
+                write!(f, "is writable, the device was attached read-only")
+            }
+            Difference::LostFlush => write!(f, "no longer accepts flush (SEND_FLUSH)"),
+            Difference::LostFua => write!(f, "no longer accepts forced unit access (SEND_FUA)"),
+            Difference::LostMultiConn { connections } => write!(
+                f,
+                "no longer allows several connections (CAN_MULTI_CONN), and the device has {connections}"
+            ),
+        }
+    }
+}
+
+/// What makes a re-dialed export unfit to be spliced under the device: smaller than the
+/// device, another read-only flag, flush or FUA gone where the device was attached with them,
+/// or CAN_MULTI_CONN gone where the device has several connections. Empty when it is fit.
+/// A record journaled before the flags were is checked for size (and connections) only.
+pub fn splice_refusal(record: &Record, device_bytes: u64, info: &ExportInfo) -> Vec<Difference> {
+    use nbd::protocol::TransmissionFlags as F;
+    let mut differences = Vec::new();
+    if info.size < device_bytes {
+        differences.push(Difference::Smaller {
+            export: info.size,
+            device: device_bytes,
+        });
+    }
+    let connections = record
+        .attached_with
+        .map(|a| a.connections)
+        .or_else(|| record.export.as_ref().map(|e| usize::from(e.connections)))
+        .unwrap_or(1);
+    if let Some(was) = record.attached_with.map(|a| F::from_bits_retain(a.flags)) {
+        let now = info.flags;
+        if was.contains(F::READ_ONLY) != now.contains(F::READ_ONLY) {
+            differences.push(Difference::ReadOnly {
+                now: now.contains(F::READ_ONLY),
+            });
+        }
+        if was.contains(F::SEND_FLUSH) && !now.contains(F::SEND_FLUSH) {
+            differences.push(Difference::LostFlush);
+        }
+        if was.contains(F::SEND_FUA) && !now.contains(F::SEND_FUA) {
+            differences.push(Difference::LostFua);
+        }
+    }
+    if connections > 1 && !info.flags.contains(F::CAN_MULTI_CONN) {
+        differences.push(Difference::LostMultiConn { connections });
+    }
+    differences
 }
 
 /// Redials the export of `record` and offers its device the new sockets, journaling their
@@ -123,6 +215,21 @@ pub async fn offer_new_connections(
     let uri = crate::node::export_uri(&export)?;
     let dialed = nbd::dial::dial(&uri, &node.dial_options(&export)?).await?;
     let volume = record.volume_id.as_str();
+    let differences = splice_refusal(
+        record,
+        node.kernel.size_bytes(device.index())?,
+        &dialed.info,
+    );
+    if !differences.is_empty() {
+        for d in &differences {
+            node.metrics.splice_refused(d.kind());
+        }
+        return Err(ConnectionsError::ExportChanged {
+            volume: volume.to_owned(),
+            differences,
+        }
+        .into());
+    }
     let _link = node.link_locks.lock(volume).await;
     if node.is_detaching(volume) {
         return Err(ConnectionsError::Detaching {
@@ -171,32 +278,117 @@ pub fn abort_all(tcp: &[TcpConnection]) -> Result<usize, NodeError> {
     Ok(aborted)
 }
 
-/// Whether the device can read its last 4 KiB, bypassing the page cache: the server serves
-/// the whole (new) size on the device's connections. Blocks while the link is down: call it
-/// through [`crate::node::off_runtime`].
-pub fn serves_size(dev: &Path, size: u64) -> bool {
-    use std::os::unix::fs::{FileExt, OpenOptionsExt};
-    const BLOCK: usize = 4096;
-    if size < BLOCK as u64 {
-        return true;
-    }
-    let Ok(file) = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(dev)
-    else {
-        return false;
-    };
-    // O_DIRECT wants an aligned buffer: over-allocate and read into an aligned window.
-    let mut storage = vec![0u8; 2 * BLOCK];
-    let start = storage.as_ptr().align_offset(BLOCK);
-    file.read_exact_at(&mut storage[start..start + BLOCK], size - BLOCK as u64)
-        .is_ok()
-}
-
 /// How long replacing the connections may take before expansion gives up.
 pub const REPLACE_WITHIN: Duration = Duration::from_secs(30);
 
 pub fn deadline() -> Instant {
     Instant::now() + REPLACE_WITHIN
+}
+
+#[cfg(test)]
+mod tests {
+    use nbd::protocol::TransmissionFlags as F;
+
+    use super::*;
+    use crate::ids::{Identifier, VolumeId};
+    use crate::record::{Access, AccessMode, AttachedWith, Export};
+
+    fn record(attached: Option<(F, usize)>, connections: u8) -> Record {
+        let volume = VolumeId::parse("pvc-1").unwrap();
+        let mut r = Record::attaching(
+            volume.clone(),
+            Identifier::new_attachment("node-a", &volume).unwrap(),
+            Export {
+                uri: "nbd://h/x".into(),
+                connections,
+                tls_profile: None,
+            },
+            "/staging".into(),
+            Access::Block,
+            AccessMode::SingleNodeWriter,
+        );
+        r.attached_with = attached.map(|(flags, connections)| AttachedWith {
+            flags: flags.bits(),
+            connections,
+        });
+        r
+    }
+
+    fn export(size: u64, flags: F) -> ExportInfo {
+        ExportInfo {
+            size,
+            flags,
+            block_sizes: None,
+            tls: None,
+        }
+    }
+
+    fn kinds(d: &[Difference]) -> Vec<&'static str> {
+        d.iter().map(Difference::kind).collect()
+    }
+
+    const FULL: F = F::HAS_FLAGS
+        .union(F::SEND_FLUSH)
+        .union(F::SEND_FUA)
+        .union(F::CAN_MULTI_CONN);
+
+    #[test]
+    fn the_same_or_a_grown_export_is_spliced() {
+        let r = record(Some((FULL, 4)), 4);
+        assert!(splice_refusal(&r, 1 << 30, &export(1 << 30, FULL)).is_empty());
+        assert!(splice_refusal(&r, 1 << 30, &export(2 << 30, FULL)).is_empty());
+        // Gaining a flag is no reason to refuse.
+        let single = record(Some((F::HAS_FLAGS, 1)), 1);
+        assert!(splice_refusal(&single, 1 << 30, &export(1 << 30, FULL)).is_empty());
+    }
+
+    #[test]
+    fn each_difference_is_named() {
+        let r = record(Some((FULL, 4)), 4);
+        let smaller = splice_refusal(&r, 1 << 30, &export((1 << 30) - 512, FULL));
+        assert_eq!(kinds(&smaller), ["smaller"]);
+        assert!(smaller[0].to_string().contains("1073741312 bytes"));
+        let ro = splice_refusal(&r, 1 << 30, &export(1 << 30, FULL | F::READ_ONLY));
+        assert_eq!(kinds(&ro), ["read_only"]);
+        let bare = splice_refusal(&r, 1 << 30, &export(1 << 30, F::HAS_FLAGS));
+        assert_eq!(kinds(&bare), ["flush", "fua", "multi_conn"]);
+        let writable = record(Some((FULL | F::READ_ONLY, 1)), 1);
+        assert_eq!(
+            kinds(&splice_refusal(&writable, 1 << 30, &export(1 << 30, FULL))),
+            ["read_only"]
+        );
+    }
+
+    #[test]
+    fn a_record_without_flags_is_checked_for_size_and_connections() {
+        let old = record(None, 2);
+        assert!(splice_refusal(
+            &old,
+            1 << 30,
+            &export(1 << 30, F::HAS_FLAGS | F::CAN_MULTI_CONN)
+        )
+        .is_empty());
+        assert_eq!(
+            kinds(&splice_refusal(
+                &old,
+                1 << 30,
+                &export(1 << 29, F::HAS_FLAGS)
+            )),
+            ["smaller", "multi_conn"]
+        );
+    }
+
+    #[test]
+    fn the_message_names_every_difference() {
+        let e = ConnectionsError::ExportChanged {
+            volume: "pvc-1".into(),
+            differences: vec![Difference::ReadOnly { now: true }, Difference::LostFlush],
+        };
+        assert_eq!(
+            e.to_string(),
+            "the export of volume pvc-1 came back different: it is read-only, the device was writable, \
+             and it no longer accepts flush (SEND_FLUSH); not reconnecting the device to it (retrying \
+             with back-off, in case the server comes back as it was)"
+        );
+    }
 }

@@ -7,12 +7,13 @@
 //!   of [`NodeError`]; the table says where their code differs per RPC and why.
 //! - Each operation's own refusals are in its module: [`RequestError`] (validation),
 //!   [`StageError`], [`UnstageError`], [`PublishError`], [`ExpandError`].
-//! - Components keep theirs: [`JournalError`], [`BlockdevError`], [`ConnectionsError`],
+//! - Components keep theirs: [`JournalError`], [`BlockdevError`], [`UnreadableError`],
+//!   [`ConnectionsError`],
 //!   [`IdError`], and the libraries' [`nbd::Error`] and [`mounts::Error`].
 
 use std::path::PathBuf;
 
-pub use crate::blockdev::BlockdevError;
+pub use crate::blockdev::{BlockdevError, UnreadableError};
 pub use crate::connections::ConnectionsError;
 pub use crate::ids::IdError;
 pub use crate::journal::JournalError;
@@ -110,6 +111,9 @@ pub enum NodeError {
     Journal(#[from] JournalError),
     #[error(transparent)]
     Blockdev(#[from] BlockdevError),
+    /// The device is there but its data cannot be read: never taken for blank.
+    #[error(transparent)]
+    Unreadable(#[from] UnreadableError),
     #[error(transparent)]
     Connections(#[from] ConnectionsError),
     #[error(transparent)]

@@ -16,7 +16,8 @@ use std::time::{Duration, Instant};
 
 use nbd::netlink::LinkDeadEvents;
 
-use crate::connections::{liveness, offer_new_connections, Liveness};
+use crate::connections::{liveness, offer_new_connections, ConnectionsError, Liveness};
+use crate::error::NodeError;
 use crate::node::{Link, Node};
 
 // A refused dial is cheap: retry often at first, so I/O resumes soon after the export is back;
@@ -226,7 +227,14 @@ impl Healer {
                         if attempts.is_power_of_two() {
                             tracing::warn!(%volume, attempts, error = %e, "reconnect failed; retrying");
                         }
-                        if dead {
+                        // An export that came back different is abnormal even when no
+                        // LINK_DEAD was heard (a refresh after a restart found it).
+                        let changed = matches!(
+                            e,
+                            NodeError::Connections(ConnectionsError::ExportChanged { .. })
+                        );
+                        if dead || changed {
+                            let e = e.to_string();
                             node.set_link(
                                 &volume,
                                 Link::Down {
@@ -259,28 +267,22 @@ impl Healer {
     }
 
     /// One reconnect. `Ok(false)`: nothing to heal any more (unstaged, detaching, device gone).
-    async fn attempt(node: &Node, volume: &str) -> Result<bool, String> {
+    async fn attempt(node: &Node, volume: &str) -> Result<bool, NodeError> {
         let Some(record) = node.record(volume) else {
             return Ok(false);
         };
         if node.is_detaching(volume) {
             return Ok(false);
         }
-        if record.export.is_none() {
-            return Err("the export is not known yet".into());
-        }
-        let device = match node.proven_device(&record) {
-            Ok(Some(d)) => d,
-            Ok(None) => {
-                tracing::warn!(%volume, "device is gone; nothing to reconnect");
-                return Ok(false);
-            }
-            Err(e) => return Err(e.to_string()),
+        crate::node::known_export(&record)?;
+        let Some(device) = node.proven_device(&record)? else {
+            tracing::warn!(%volume, "device is gone; nothing to reconnect");
+            return Ok(false);
         };
         match offer_new_connections(node, &record, &device).await {
             Ok(()) => Ok(true),
             Err(_) if node.is_detaching(volume) => Ok(false),
-            Err(e) => Err(e.to_string()),
+            Err(e) => Err(e),
         }
     }
 }

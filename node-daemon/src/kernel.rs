@@ -21,7 +21,7 @@ use nbd::netlink::{NbdNetlink, ReconfigureRequest};
 use nbd::sysfs::{ProvenDevice, Sysfs};
 use nbd::{BackendId, DeviceIndex, NbdUri};
 
-use crate::blockdev::BlockdevError;
+use crate::blockdev::{BlockdevError, UnreadableError};
 
 #[cfg(test)]
 pub(crate) mod fake;
@@ -44,6 +44,12 @@ pub trait Kernel: Send + Sync + 'static {
     /// The identifier `index` carries, `None` when it carries none.
     fn backend(&self, index: DeviceIndex) -> Result<Option<String>, nbd::Error> {
         self.sysfs().backend(index)
+    }
+    /// Whether `index` is free: no identifier and nobody's connection (see
+    /// [`Sysfs::in_use`]). A device attached by another tool carries no identifier but is
+    /// not free: nothing may be written to it.
+    fn is_free(&self, index: DeviceIndex) -> Result<bool, nbd::Error> {
+        Ok(self.backend(index)?.is_none() && !self.sysfs().in_use(index)?)
     }
     /// `index`, shown to carry `expected`.
     fn prove(&self, index: DeviceIndex, expected: &BackendId) -> Result<ProvenDevice, nbd::Error> {
@@ -108,7 +114,8 @@ pub trait Mounts: Send + Sync + 'static {
 /// is down: called through [`crate::node::off_runtime`] only.
 pub trait Tools: Send + Sync + 'static {
     /// Drops the device's page cache (another node may have written it), then says what it
-    /// holds.
+    /// holds. A device is [`Probe::Blank`] only when its edges read (see
+    /// [`crate::blockdev::read_edges`]); a device that cannot be read is an error.
     fn probe(&self, dev: &Path) -> Result<Probe, crate::error::NodeError>;
     fn make_filesystem(&self, dev: &Path, fs: Filesystem, uuid: &str) -> Result<(), mounts::Error>;
     fn redo_interrupted_format(
@@ -121,8 +128,8 @@ pub trait Tools: Send + Sync + 'static {
     fn flush(&self, dev: &Path) -> Result<(), BlockdevError>;
     fn freeze(&self, mount_point: &Path) -> Result<(), BlockdevError>;
     fn thaw(&self, mount_point: &Path) -> Result<(), BlockdevError>;
-    /// Whether the device reads its last 4 KiB of `size` (see [`crate::connections::serves_size`]).
-    fn serves_size(&self, dev: &Path, size: u64) -> bool;
+    /// Whether the device reads its last 4 KiB of `size` (see [`crate::blockdev::serves_size`]).
+    fn serves_size(&self, dev: &Path, size: u64) -> Result<bool, UnreadableError>;
 }
 
 /// What [`crate::node::Node`] reaches the host through.
@@ -244,7 +251,13 @@ pub struct HostTools;
 impl Tools for HostTools {
     fn probe(&self, dev: &Path) -> Result<Probe, crate::error::NodeError> {
         crate::blockdev::drop_cache(dev)?;
-        Ok(mounts::format::probe(dev)?)
+        crate::blockdev::read_edges(dev)?;
+        let found = mounts::format::probe(dev)?;
+        if found == Probe::Blank {
+            // blkid says "nothing" also when its own reads failed: the edges must still read.
+            crate::blockdev::read_edges(dev)?;
+        }
+        Ok(found)
     }
 
     fn make_filesystem(&self, dev: &Path, fs: Filesystem, uuid: &str) -> Result<(), mounts::Error> {
@@ -276,7 +289,7 @@ impl Tools for HostTools {
         crate::blockdev::thaw(mount_point)
     }
 
-    fn serves_size(&self, dev: &Path, size: u64) -> bool {
-        crate::connections::serves_size(dev, size)
+    fn serves_size(&self, dev: &Path, size: u64) -> Result<bool, UnreadableError> {
+        crate::blockdev::serves_size(dev, size)
     }
 }

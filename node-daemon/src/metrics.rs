@@ -23,6 +23,7 @@ pub struct Metrics {
     /// LINK_DEAD events for this node's devices.
     pub link_dead: Counter,
     heals: Family<Labels, Counter>,
+    splice_refusals: Family<Labels, Counter>,
     /// What the last start-up could not reconcile.
     pub unreconciled: Gauge,
     /// Devices whose I/O scheduler someone changed and the daemon set back to `none`.
@@ -37,6 +38,7 @@ impl Default for Metrics {
         let links_down = Gauge::default();
         let link_dead = Counter::default();
         let heals = Family::<Labels, Counter>::default();
+        let splice_refusals = Family::<Labels, Counter>::default();
         let unreconciled = Gauge::default();
         let scheduler_reset = Counter::default();
         registry.register(
@@ -56,6 +58,11 @@ impl Default for Metrics {
         );
         registry.register("link_heals", "Reconnect attempts by result", heals.clone());
         registry.register(
+            "splice_refusals",
+            "Re-dialed exports not spliced under a device, by how they differed from it",
+            splice_refusals.clone(),
+        );
+        registry.register(
             "recovery_unreconciled",
             "Problems the last start-up could not reconcile",
             unreconciled.clone(),
@@ -72,6 +79,7 @@ impl Default for Metrics {
             links_down,
             link_dead,
             heals,
+            splice_refusals,
             unreconciled,
             scheduler_reset,
         }
@@ -87,6 +95,12 @@ impl Metrics {
         let result = if ok { "ok" } else { "error" };
         self.heals
             .get_or_create(&vec![("result", result.to_owned())])
+            .inc();
+    }
+
+    pub fn splice_refused(&self, difference: &'static str) {
+        self.splice_refusals
+            .get_or_create(&vec![("difference", difference.to_owned())])
             .inc();
     }
 

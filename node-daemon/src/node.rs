@@ -179,14 +179,15 @@ impl Node {
         Ok(())
     }
 
-    /// Gives idle nbd devices (no backend identifier) the `none` scheduler ahead of use, so
-    /// the queue freeze a switch costs is not paid inside an attach.
+    /// Gives free nbd devices the `none` scheduler ahead of use, so the queue freeze a switch
+    /// costs is not paid inside an attach. A device another tool attached (no identifier, but
+    /// connected) is not free, and is not touched.
     pub(crate) fn prepare_idle_devices(&self) {
         let Ok(devices) = self.kernel.devices() else {
             return;
         };
         for index in devices {
-            if matches!(self.kernel.backend(index), Ok(None))
+            if matches!(self.kernel.is_free(index), Ok(true))
                 && self.kernel.scheduler(index).is_ok_and(|s| s != "none")
             {
                 if let Err(e) = self.kernel.set_scheduler(index, "none") {

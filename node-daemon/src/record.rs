@@ -53,6 +53,19 @@ pub struct Record {
     /// TLS13_AES_256_GCM_SHA384`), kernel TLS since; `None` for plaintext exports.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tls: Option<String>,
+    /// What the export offered at CONNECT: healing splices in only an export that still
+    /// offers it (see [`crate::connections::splice_refusal`]). `None` in records journaled
+    /// before it was.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attached_with: Option<AttachedWith>,
+}
+
+/// The export's transmission flags and the device's connection count at CONNECT.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AttachedWith {
+    /// NBD transmission flags, as the handshake gave them.
+    pub flags: u16,
+    pub connections: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -226,6 +239,7 @@ impl Record {
             rebuilt: false,
             tcp: Vec::new(),
             tls: None,
+            attached_with: None,
         }
     }
 
@@ -256,6 +270,7 @@ impl Record {
             rebuilt: true,
             tcp: Vec::new(),
             tls: None,
+            attached_with: None,
         }
     }
 
@@ -377,8 +392,14 @@ mod tests {
                 inode: Some(4242),
             }],
             tls: Some("TLSv1_3 TLS13_AES_128_GCM_SHA256".into()),
+            attached_with: Some(AttachedWith {
+                flags: 0x010d,
+                connections: 2,
+            }),
         };
         let json = serde_json::to_value(&r).unwrap();
+        assert_eq!(json["attached_with"]["flags"], 0x010d);
+        assert_eq!(json["attached_with"]["connections"], 2);
         assert_eq!(json["phase"]["step"], "expanding");
         assert_eq!(json["access"]["kind"], "mount");
         assert_eq!(json["mode"], "SINGLE_NODE_WRITER");

@@ -19,7 +19,7 @@ use nbd::sysfs::{ProvenDevice, Sysfs};
 use nbd::{DeviceIndex, NbdUri};
 
 use super::{Host, Kernel, Mounts, Tools};
-use crate::blockdev::BlockdevError;
+use crate::blockdev::{BlockdevError, UnreadableError};
 use crate::error::NodeError;
 
 /// The `nbd` block major.
@@ -295,8 +295,8 @@ impl Tools for FakeHost {
         Ok(())
     }
 
-    fn serves_size(&self, _dev: &Path, _size: u64) -> bool {
-        true
+    fn serves_size(&self, _dev: &Path, _size: u64) -> Result<bool, UnreadableError> {
+        Ok(true)
     }
 }
 

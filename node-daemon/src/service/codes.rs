@@ -119,6 +119,7 @@ fn code(rpc: Rpc, e: &NodeError) -> Code {
         N::Expand(e) => match e {
             ExpandError::ExportTooSmall { .. }
             | ExpandError::Shrink { .. }
+            | ExpandError::UnalignedSize { .. }
             | ExpandError::OldConnections { .. } => Code::FailedPrecondition,
             // The connections may be replaceable on the next try: the CO retries.
             ExpandError::ReplaceTimedOut { .. } => Code::Unavailable,
@@ -153,10 +154,15 @@ fn code(rpc: Rpc, e: &NodeError) -> Code {
         N::Connections(e) => match e {
             ConnectionsError::Detaching { .. } => Code::Unavailable,
             ConnectionsError::NoSocketDiagnostics => Code::FailedPrecondition,
+            // The server may come back as it was (a failover undone): retried.
+            ConnectionsError::ExportChanged { .. } => Code::Unavailable,
         },
         // A step the lifecycle does not allow is a bug (or an edited record): not retried.
         N::Transition(_) | N::IllegalTargetTransition { .. } => Code::Internal,
         N::Worker { .. } | N::Journal(_) | N::Blockdev(_) | N::Id(_) => Code::Internal,
+        // A degraded server, or a link healing mid-call: retried with the state kept (and
+        // never formatted, resized back or detached on the strength of a failed read).
+        N::Unreadable(_) => Code::Unavailable,
         N::Nbd(e) => nbd_code(e),
         N::Mount(e) => mount_code(e),
     }
@@ -232,7 +238,7 @@ mod tests {
     use std::path::PathBuf;
 
     use super::*;
-    use crate::error::{BlockdevError, JournalError, RequestError};
+    use crate::error::{BlockdevError, JournalError, RequestError, UnreadableError};
     use crate::record::{Access, AccessMode, Phase};
     use Rpc::*;
     use Then::*;
@@ -428,6 +434,33 @@ mod tests {
                 .into(),
                 Code::Internal,
                 KeepState,
+            ),
+            (
+                NodeStage,
+                StageError::Probe {
+                    volume: v(),
+                    source: boxed(UnreadableError {
+                        device: "/dev/nbd0".into(),
+                        offset: 0,
+                        len: 4096,
+                        source: io(),
+                    }),
+                }
+                .into(),
+                Code::Unavailable,
+                Retry,
+            ),
+            (
+                NodeExpand,
+                UnreadableError {
+                    device: "/dev/nbd0".into(),
+                    offset: 0,
+                    len: 4096,
+                    source: io(),
+                }
+                .into(),
+                Code::Unavailable,
+                Retry,
             ),
             (
                 NodeExpand,

@@ -22,6 +22,7 @@ use crate::error::NodeError;
 use crate::ids::VolumeId;
 use crate::node::{export_uri, off_runtime, Node};
 use crate::record::{Access, Phase, Record};
+use crate::service::codes::{answer, Rpc, Then};
 use crate::volumes::stage::staging_path;
 
 /// Why a NodeExpandVolume failed.
@@ -52,6 +53,11 @@ pub enum ExpandError {
          to restage the volume"
     )]
     OldConnections { volume: String, old: u64 },
+    #[error(
+        "the export of volume {volume} is now {size} bytes, not a positive multiple of 512: \
+         the kernel cannot use that size; the volume keeps its current size"
+    )]
+    UnalignedSize { volume: String, size: u64 },
     #[error(
         "could not give volume {volume} new connections within {within:?}; its size is unchanged"
     )]
@@ -99,6 +105,13 @@ impl Node {
             .ok_or_else(|| NodeError::DeviceGone {
                 volume: record.volume_id.to_string(),
             })?;
+        if info.size == 0 || !info.size.is_multiple_of(512) {
+            return Err(ExpandError::UnalignedSize {
+                volume: req.volume.to_string(),
+                size: info.size,
+            }
+            .into());
+        }
         let current = self.kernel.size_bytes(device.index())?;
         refuse_shrink(&record.volume_id, current, info.size)?;
         self.advance(
@@ -107,7 +120,37 @@ impl Node {
                 to_bytes: info.size,
             },
         )?;
-        self.run_expand(record).await
+        let result = self.run_expand(record).await;
+        if let Err(e) = &result {
+            if answer(Rpc::NodeExpand, e).then != Then::Retry {
+                // The CO gives this expansion up: the volume stays usable at the size its
+                // device has now (a later NodeExpand starts over from there).
+                self.give_up_expansion(&req.volume, e)?;
+            }
+        }
+        result
+    }
+
+    /// Ends an expansion that failed: `Staged` at the device's current size, so that new
+    /// pods can publish the volume and NodeStage does not try the expansion again.
+    pub(crate) fn give_up_expansion(
+        &self,
+        volume: &VolumeId,
+        error: &NodeError,
+    ) -> Result<(), NodeError> {
+        let Some(mut record) = self.record(volume.as_str()) else {
+            return Ok(());
+        };
+        if !matches!(record.phase(), Phase::Expanding { .. }) {
+            return Ok(());
+        }
+        let size = match self.proven_device(&record)? {
+            Some(device) => Some(self.kernel.size_bytes(device.index())?),
+            None => record.size_bytes,
+        };
+        tracing::warn!(%volume, error = %error, size, "expansion failed; the volume stays staged at its current size");
+        record.size_bytes = size;
+        self.advance(&mut record, Phase::Staged)
     }
 
     /// Resize and grow, idempotent; the target size is in the journal.
@@ -138,8 +181,10 @@ impl Node {
             self.resize(&record.volume_id, &device, to_bytes).await?;
         }
         let (dev_probe, tools) = (dev.clone(), Arc::clone(&self.tools));
+        // A device that cannot read at all is a degraded server, not old connections: the
+        // error keeps `Expanding` for the retry, and the size is not put back.
         let served = off_runtime("read the new end", move || {
-            Ok(tools.serves_size(&dev_probe, to_bytes))
+            Ok(tools.serves_size(&dev_probe, to_bytes)?)
         })
         .await?;
         if !served {
@@ -285,7 +330,8 @@ impl Node {
                 !live.is_empty() || self.held.holds_other_than(&record.volume_id, &old_held);
             if old_gone && new_live {
                 let (dev, tools) = (dev.clone(), Arc::clone(&self.tools));
-                if off_runtime("read", move || Ok(tools.serves_size(&dev, current))).await? {
+                let served = off_runtime("read", move || Ok(tools.serves_size(&dev, current)?));
+                if matches!(served.await, Ok(true)) {
                     return Ok(());
                 }
             }

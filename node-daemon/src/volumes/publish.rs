@@ -69,7 +69,8 @@ impl Node {
     pub async fn publish(&self, req: PublishRequest) -> Result<(), NodeError> {
         let _guard = self.begin_call(&req.volume).await?;
         let mut record = self.staged_record(&req.volume)?;
-        if !matches!(record.phase(), Phase::Staged) {
+        // An expansion a retry will resume leaves the volume mounted at its old size: usable.
+        if !matches!(record.phase(), Phase::Staged | Phase::Expanding { .. }) {
             return Err(NodeError::NotStagedYet {
                 volume: req.volume.to_string(),
                 phase: record.phase(),

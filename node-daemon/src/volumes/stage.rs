@@ -20,7 +20,7 @@ use crate::connections::tcp_pairs;
 use crate::error::NodeError;
 use crate::ids::{random_uuid, Identifier, VolumeId};
 use crate::node::{export_uri, off_runtime, Node};
-use crate::record::{Access, Export, Phase, Record, Target, TargetPhase};
+use crate::record::{Access, AttachedWith, Export, Phase, Record, Target, TargetPhase};
 use crate::request::Capability;
 use crate::service::codes::{answer, Rpc, Then};
 
@@ -154,9 +154,17 @@ impl Node {
             }
             other => other,
         };
-        let was_staged = existing
-            .as_ref()
-            .is_some_and(|r| r.phase() == Phase::Staged);
+        // Only what this call began may be undone: a record that was already there may be
+        // serving pods (staged and published, in `Mounting` after a lost staging mount or in
+        // `Expanding` after a failed expansion), and kubelet repeats NodeStage after a restart.
+        // A record still short of a filesystem served nothing, and is undone as well.
+        let may_undo = existing.as_ref().is_none_or(|r| {
+            r.targets.is_empty()
+                && matches!(
+                    r.phase(),
+                    Phase::Attaching | Phase::Attached | Phase::Formatting
+                )
+        });
         let record = match existing {
             Some(existing) => self.reconcile_stage_request(existing, &req)?,
             None => {
@@ -177,7 +185,7 @@ impl Node {
         let result = self.run_stage(record).await;
         if let Err(e) = &result {
             let answer = answer(Rpc::NodeStage, e);
-            if !was_staged && answer.then == Then::RollBack {
+            if may_undo && answer.then == Then::RollBack {
                 // kubelet takes this answer as final and will never call NodeUnstage.
                 self.undo_failed_stage(&volume, answer.code).await;
             } else {
@@ -192,7 +200,10 @@ impl Node {
         let Some(record) = self.record(volume) else {
             return Ok(());
         };
-        if record.phase() == Phase::Attaching && self.kernel.find(&record.identifier)?.is_none() {
+        if record.phase() == Phase::Attaching
+            && record.targets.is_empty()
+            && self.kernel.find(&record.identifier)?.is_none()
+        {
             self.forget(volume)?;
         }
         Ok(())
@@ -205,6 +216,10 @@ impl Node {
         let Some(mut record) = self.record(volume) else {
             return;
         };
+        if !record.targets.is_empty() {
+            tracing::warn!(%volume, ?code, "stage failed for good, but the volume is published: left as it is");
+            return;
+        }
         tracing::warn!(%volume, ?code, "stage failed for good; undoing what it did");
         let undone = match self.advance(&mut record, Phase::Unstaging) {
             Ok(()) => self.run_unstage(record).await,
@@ -318,11 +333,19 @@ impl Node {
         // An expansion whose device was lost (a reboot) is finished once staged again.
         let mut grow_to = None;
         for _ in 0..MAX_STEPS {
-            if matches!(
+            let device = if matches!(
                 record.phase(),
                 Phase::Attached | Phase::Formatting | Phase::Mounting | Phase::Expanding { .. }
-            ) && self.proven_device(&record)?.is_none()
-            {
+            ) {
+                Some(self.proven_device(&record)?)
+            } else {
+                None
+            };
+            if let Some(Some(moved)) = &device {
+                // Journaled before the step acts on it: a step's end never saves a stale index.
+                self.follow_device_index(&mut record, moved)?;
+            }
+            if let Some(None) = device {
                 // Node rebooted or the kernel dropped the device mid-stage: attach again, then
                 // probe what the volume holds as if for the first time.
                 tracing::warn!(volume = %record.volume_id, phase = ?record.phase(), "device lost mid-stage; attaching again");
@@ -357,7 +380,17 @@ impl Node {
                     |volume, source| StageError::Mount { volume, source },
                     &volume,
                 ))?,
-                Phase::Expanding { .. } => return self.run_expand(record).await.map(drop),
+                Phase::Expanding { .. } => {
+                    // The volume is staged whatever becomes of its expansion: one that fails
+                    // here leaves it at its device's size, for the CO's next NodeExpand.
+                    if let Err(e) = self.run_expand(record.clone()).await {
+                        self.give_up_expansion(&record.volume_id, &e)?;
+                    }
+                    record = self.record(&volume).ok_or_else(|| StageError::DeviceLost {
+                        volume: volume.clone(),
+                    })?;
+                    continue;
+                }
                 Phase::Staged => match self.check_staged(&mut record)? {
                     Some(repair) => repair,
                     None => match grow_to.take() {
@@ -428,6 +461,7 @@ impl Node {
         };
         if found.is_none() {
             {
+                self.clear_staging_path(record).await?;
                 let uri = export_uri(&export)?;
                 let mut opts = self.attach_options(record.identifier.clone(), &export)?;
                 opts.read_only = record.mode.read_only();
@@ -454,6 +488,10 @@ impl Node {
                 );
                 record.device = Some(attached.device.index());
                 record.size_bytes = Some(attached.info.size);
+                record.attached_with = Some(AttachedWith {
+                    flags: attached.info.flags.bits(),
+                    connections: attached.sockets.len(),
+                });
                 self.held.attached(
                     &record.volume_id,
                     record.identifier.as_str(),
@@ -468,6 +506,30 @@ impl Node {
         } else {
             Phase::Attached
         })
+    }
+
+    /// Before a filesystem volume gets a new device, its staging path must be free: a mount
+    /// there that a lost device of this volume left behind (an nbd that carries no identifier
+    /// any more) is removed; anything else mounted there is refused before anything is
+    /// attached, so a refusal leaves no device behind.
+    async fn clear_staging_path(&self, record: &Record) -> Result<(), NodeError> {
+        let (Access::Mount { .. }, Some(staging)) = (&record.access, &record.staging_path) else {
+            return Ok(());
+        };
+        while self.is_mount_point(staging)? {
+            if !self.volume_mounted_at(record, staging)? {
+                return Err(StageError::StagingPathTaken {
+                    path: staging.clone(),
+                }
+                .into());
+            }
+            tracing::warn!(volume = %record.volume_id, staging = %staging.display(), "unmounting what a lost device left at the staging path");
+            let (path, host) = (staging.clone(), Arc::clone(&self.mounts));
+            if !off_runtime("unmount", move || Ok(host.unmount(&path)?)).await? {
+                break;
+            }
+        }
+        Ok(())
     }
 
     /// Decides whether the device needs a filesystem. Never formats anything not blank. The
@@ -742,8 +804,9 @@ impl Node {
     }
 
     /// Whether the top mount at `path` is this volume's: from its proven device, or, when the
-    /// device is gone, from an nbd device that no longer carries any identifier (a mount the
-    /// lost device left behind). Anything else mounted there is not ours to remove.
+    /// device is gone, from an nbd device that is free now (no identifier, nobody connected:
+    /// a mount the lost device left behind). Anything else mounted there, a device another
+    /// tool attached included, is not ours to remove.
     fn volume_mounted_at(&self, record: &Record, path: &Path) -> Result<bool, NodeError> {
         let table = self.mounts.table()?;
         let Some(top) = table.at(path).last() else {
@@ -756,7 +819,7 @@ impl Node {
             && top
                 .source
                 .parse::<DeviceIndex>()
-                .is_ok_and(|index| matches!(self.kernel.backend(index), Ok(None)));
+                .is_ok_and(|index| matches!(self.kernel.is_free(index), Ok(true)));
         Ok(stale)
     }
 
@@ -849,68 +912,66 @@ mod tests {
 
     /// NodeStage for each phase × kernel facts × staging mount. The device is `nbd1` in
     /// the journal (none while `Attaching`); "Moved" finds it at `nbd3`; a new attach takes
-    /// `nbd0`. Cells whose behaviour is questioned (kept as it is, for the data-safety issue):
-    /// - a staging mount left by a lost device (an nbd that carries nothing, or another
-    ///   node's identifier) makes NodeStage attach a new device and then refuse the path
-    ///   as taken; a staged volume keeps the new device and a `Mounting` record;
-    /// - `Expanding` with the device moved grows it but journals `Staged` with the old index.
+    /// `nbd0`. A staging mount a lost device left (an nbd that carries nothing) is removed
+    /// before a new device is attached; one from another node's device is refused before
+    /// anything is attached. A moved device is journaled before any step acts on it.
     #[tokio::test]
     async fn stage_decisions() {
         #[rustfmt::skip]
         const TABLE: &[Row] = &[
         (Attaching, Proven, MOUNTED, "ok", "probe, probe, mkfs, grow", "Staged /dev/nbd1"),
         (Attaching, Proven, UNMOUNTED, "ok", "probe, probe, mkfs, mount nbd1 /staging, grow", "Staged /dev/nbd1"),
-        (Attaching, Absent, MOUNTED, "FailedPrecondition: /staging already has something else mounted on it", "dial, attach /dev/nbd0, probe, probe, mkfs, disconnect /dev/nbd0", "none"),
+        (Attaching, Absent, MOUNTED, "ok", "unmount /staging, dial, attach /dev/nbd0, probe, probe, mkfs, mount nbd0 /staging, grow", "Staged /dev/nbd0"),
         (Attaching, Absent, UNMOUNTED, "ok", "dial, attach /dev/nbd0, probe, probe, mkfs, mount nbd0 /staging, grow", "Staged /dev/nbd0"),
-        (Attaching, Foreign, MOUNTED, "FailedPrecondition: /staging already has something else mounted on it", "dial, attach /dev/nbd0, probe, probe, mkfs, disconnect /dev/nbd0", "none"),
+        (Attaching, Foreign, MOUNTED, "FailedPrecondition: /staging already has something else mounted on it", "", "none"),
         (Attaching, Foreign, UNMOUNTED, "ok", "dial, attach /dev/nbd0, probe, probe, mkfs, mount nbd0 /staging, grow", "Staged /dev/nbd0"),
         (Attaching, Moved, MOUNTED, "ok", "probe, probe, mkfs, grow", "Staged /dev/nbd3"),
         (Attaching, Moved, UNMOUNTED, "ok", "probe, probe, mkfs, mount nbd3 /staging, grow", "Staged /dev/nbd3"),
         (Attached, Proven, MOUNTED, "ok", "probe, probe, mkfs, grow", "Staged /dev/nbd1"),
         (Attached, Proven, UNMOUNTED, "ok", "probe, probe, mkfs, mount nbd1 /staging, grow", "Staged /dev/nbd1"),
-        (Attached, Absent, MOUNTED, "FailedPrecondition: /staging already has something else mounted on it", "dial, attach /dev/nbd0, probe, probe, mkfs, disconnect /dev/nbd0", "none"),
+        (Attached, Absent, MOUNTED, "ok", "unmount /staging, dial, attach /dev/nbd0, probe, probe, mkfs, mount nbd0 /staging, grow", "Staged /dev/nbd0"),
         (Attached, Absent, UNMOUNTED, "ok", "dial, attach /dev/nbd0, probe, probe, mkfs, mount nbd0 /staging, grow", "Staged /dev/nbd0"),
-        (Attached, Foreign, MOUNTED, "FailedPrecondition: /staging already has something else mounted on it", "dial, attach /dev/nbd0, probe, probe, mkfs, disconnect /dev/nbd0", "none"),
+        (Attached, Foreign, MOUNTED, "FailedPrecondition: /staging already has something else mounted on it", "", "none"),
         (Attached, Foreign, UNMOUNTED, "ok", "dial, attach /dev/nbd0, probe, probe, mkfs, mount nbd0 /staging, grow", "Staged /dev/nbd0"),
         (Attached, Moved, MOUNTED, "ok", "probe, probe, mkfs, grow", "Staged /dev/nbd3"),
         (Attached, Moved, UNMOUNTED, "ok", "probe, probe, mkfs, mount nbd3 /staging, grow", "Staged /dev/nbd3"),
         (Formatting, Proven, MOUNTED, "ok", "probe, mkfs, grow", "Staged /dev/nbd1"),
         (Formatting, Proven, UNMOUNTED, "ok", "probe, mkfs, mount nbd1 /staging, grow", "Staged /dev/nbd1"),
-        (Formatting, Absent, MOUNTED, "FailedPrecondition: /staging already has something else mounted on it", "dial, attach /dev/nbd0, probe, probe, mkfs, disconnect /dev/nbd0", "none"),
+        (Formatting, Absent, MOUNTED, "ok", "unmount /staging, dial, attach /dev/nbd0, probe, probe, mkfs, mount nbd0 /staging, grow", "Staged /dev/nbd0"),
         (Formatting, Absent, UNMOUNTED, "ok", "dial, attach /dev/nbd0, probe, probe, mkfs, mount nbd0 /staging, grow", "Staged /dev/nbd0"),
-        (Formatting, Foreign, MOUNTED, "FailedPrecondition: /staging already has something else mounted on it", "dial, attach /dev/nbd0, probe, probe, mkfs, disconnect /dev/nbd0", "none"),
+        (Formatting, Foreign, MOUNTED, "FailedPrecondition: /staging already has something else mounted on it", "", "none"),
         (Formatting, Foreign, UNMOUNTED, "ok", "dial, attach /dev/nbd0, probe, probe, mkfs, mount nbd0 /staging, grow", "Staged /dev/nbd0"),
         (Formatting, Moved, MOUNTED, "ok", "probe, mkfs, grow", "Staged /dev/nbd3"),
         (Formatting, Moved, UNMOUNTED, "ok", "probe, mkfs, mount nbd3 /staging, grow", "Staged /dev/nbd3"),
         (Mounting, Proven, MOUNTED, "ok", "grow", "Staged /dev/nbd1"),
         (Mounting, Proven, UNMOUNTED, "ok", "mount nbd1 /staging, grow", "Staged /dev/nbd1"),
-        (Mounting, Absent, MOUNTED, "FailedPrecondition: /staging already has something else mounted on it", "dial, attach /dev/nbd0, probe, disconnect /dev/nbd0", "none"),
+        (Mounting, Absent, MOUNTED, "ok", "unmount /staging, dial, attach /dev/nbd0, probe, mount nbd0 /staging, grow", "Staged /dev/nbd0"),
         (Mounting, Absent, UNMOUNTED, "ok", "dial, attach /dev/nbd0, probe, mount nbd0 /staging, grow", "Staged /dev/nbd0"),
-        (Mounting, Foreign, MOUNTED, "FailedPrecondition: /staging already has something else mounted on it", "dial, attach /dev/nbd0, probe, disconnect /dev/nbd0", "none"),
+        (Mounting, Foreign, MOUNTED, "FailedPrecondition: /staging already has something else mounted on it", "", "none"),
         (Mounting, Foreign, UNMOUNTED, "ok", "dial, attach /dev/nbd0, probe, mount nbd0 /staging, grow", "Staged /dev/nbd0"),
         (Mounting, Moved, MOUNTED, "ok", "grow", "Staged /dev/nbd3"),
         (Mounting, Moved, UNMOUNTED, "ok", "mount nbd3 /staging, grow", "Staged /dev/nbd3"),
         (Staged, Proven, MOUNTED, "ok", "", "Staged /dev/nbd1"),
         (Staged, Proven, UNMOUNTED, "ok", "mount nbd1 /staging, grow", "Staged /dev/nbd1"),
-        (Staged, Absent, MOUNTED, "FailedPrecondition: /staging already has something else mounted on it", "dial, attach /dev/nbd0, probe", "Mounting /dev/nbd0"),
+        (Staged, Absent, MOUNTED, "ok", "unmount /staging, dial, attach /dev/nbd0, probe, mount nbd0 /staging, grow", "Staged /dev/nbd0"),
         (Staged, Absent, UNMOUNTED, "ok", "dial, attach /dev/nbd0, probe, mount nbd0 /staging, grow", "Staged /dev/nbd0"),
-        (Staged, Foreign, MOUNTED, "FailedPrecondition: /staging already has something else mounted on it", "dial, attach /dev/nbd0, probe", "Mounting /dev/nbd0"),
+        (Staged, Foreign, MOUNTED, "FailedPrecondition: /staging already has something else mounted on it", "", "none"),
         (Staged, Foreign, UNMOUNTED, "ok", "dial, attach /dev/nbd0, probe, mount nbd0 /staging, grow", "Staged /dev/nbd0"),
         (Staged, Moved, MOUNTED, "ok", "", "Staged /dev/nbd3"),
         (Staged, Moved, UNMOUNTED, "ok", "mount nbd3 /staging, grow", "Staged /dev/nbd3"),
         (EXPANDING, Proven, MOUNTED, "ok", "thaw, resize /dev/nbd1 2147483648, grow", "Staged /dev/nbd1"),
-        (EXPANDING, Proven, UNMOUNTED, "ok", "resize /dev/nbd1 2147483648, grow", "Staged /dev/nbd1"),
-        (EXPANDING, Absent, MOUNTED, "FailedPrecondition: /staging already has something else mounted on it", "dial, attach /dev/nbd0, probe, disconnect /dev/nbd0", "none"),
+        (EXPANDING, Proven, UNMOUNTED, "ok", "resize /dev/nbd1 2147483648, grow, mount nbd1 /staging, grow", "Staged /dev/nbd1"),
+        (EXPANDING, Absent, MOUNTED, "ok", "unmount /staging, dial, attach /dev/nbd0, probe, mount nbd0 /staging, grow, thaw, grow", "Staged /dev/nbd0"),
         (EXPANDING, Absent, UNMOUNTED, "ok", "dial, attach /dev/nbd0, probe, mount nbd0 /staging, grow, thaw, grow", "Staged /dev/nbd0"),
-        (EXPANDING, Foreign, MOUNTED, "FailedPrecondition: /staging already has something else mounted on it", "dial, attach /dev/nbd0, probe, disconnect /dev/nbd0", "none"),
+        (EXPANDING, Foreign, MOUNTED, "FailedPrecondition: /staging already has something else mounted on it", "", "none"),
         (EXPANDING, Foreign, UNMOUNTED, "ok", "dial, attach /dev/nbd0, probe, mount nbd0 /staging, grow, thaw, grow", "Staged /dev/nbd0"),
-        (EXPANDING, Moved, MOUNTED, "ok", "thaw, resize /dev/nbd3 2147483648, grow", "Staged /dev/nbd1"),
-        (EXPANDING, Moved, UNMOUNTED, "ok", "resize /dev/nbd3 2147483648, grow", "Staged /dev/nbd1"),
+        (EXPANDING, Moved, MOUNTED, "ok", "thaw, resize /dev/nbd3 2147483648, grow", "Staged /dev/nbd3"),
+        (EXPANDING, Moved, UNMOUNTED, "ok", "resize /dev/nbd3 2147483648, grow, mount nbd3 /staging, grow", "Staged /dev/nbd3"),
         (Unstaging, Proven, MOUNTED, "ok", "unmount /staging, disconnect /dev/nbd1, dial, attach /dev/nbd0, probe, mount nbd0 /staging, grow", "Staged /dev/nbd0"),
         (Unstaging, Proven, UNMOUNTED, "ok", "disconnect /dev/nbd1, dial, attach /dev/nbd0, probe, mount nbd0 /staging, grow", "Staged /dev/nbd0"),
         (Unstaging, Absent, MOUNTED, "ok", "unmount /staging, dial, attach /dev/nbd0, probe, mount nbd0 /staging, grow", "Staged /dev/nbd0"),
         (Unstaging, Absent, UNMOUNTED, "ok", "dial, attach /dev/nbd0, probe, mount nbd0 /staging, grow", "Staged /dev/nbd0"),
-        (Unstaging, Foreign, MOUNTED, "FailedPrecondition: /staging already has something else mounted on it", "dial, attach /dev/nbd0, probe, disconnect /dev/nbd0", "none"),
+        (Unstaging, Foreign, MOUNTED, "FailedPrecondition: /staging already has something else mounted on it", "", "none"),
         (Unstaging, Foreign, UNMOUNTED, "ok", "dial, attach /dev/nbd0, probe, mount nbd0 /staging, grow", "Staged /dev/nbd0"),
         (Unstaging, Moved, MOUNTED, "ok", "unmount /staging, disconnect /dev/nbd3, dial, attach /dev/nbd0, probe, mount nbd0 /staging, grow", "Staged /dev/nbd0"),
         (Unstaging, Moved, UNMOUNTED, "ok", "disconnect /dev/nbd3, dial, attach /dev/nbd0, probe, mount nbd0 /staging, grow", "Staged /dev/nbd0"),

@@ -75,7 +75,37 @@ impl Volume {
         cap: VolumeCapability,
         listen: Listen,
     ) -> Self {
-        Self::served(daemon, id, size, cap, listen, &[])
+        Self::served(daemon, id, size, cap, listen, &[], &[])
+    }
+
+    /// Served by nbdkit through its error filter: every read fails with EIO while the file
+    /// `reads_fail_while` exists, and writes succeed (a degraded backend).
+    pub fn with_failing_reads(
+        daemon: &NodeDaemon,
+        id: &str,
+        size: u64,
+        cap: VolumeCapability,
+        reads_fail_while: &Path,
+    ) -> Self {
+        Self::served(
+            daemon,
+            id,
+            size,
+            cap,
+            Listen::Unix,
+            &["--filter=error".into()],
+            &[
+                "error-pread=EIO".into(),
+                "error-pread-rate=100%".into(),
+                format!("error-pread-file={}", reads_fail_while.display()),
+            ],
+        )
+    }
+
+    /// The nbdkit arguments that serve `image` as this volume's export (for a restart with
+    /// other ones: see [`NbdServer::restart_with`]).
+    pub fn file_args(image: &Path) -> Vec<String> {
+        vec!["file".into(), format!("file={}", image.display())]
     }
 
     /// Served over TCP by nbdkit requiring TLS with `pki`'s certificates (`nbds://`).
@@ -86,7 +116,7 @@ impl Volume {
         cap: VolumeCapability,
         pki: &testkit::tls::TestPki,
     ) -> Self {
-        let mut vol = Self::served(daemon, id, size, cap, Listen::Tcp, &pki.nbdkit_args());
+        let mut vol = Self::served(daemon, id, size, cap, Listen::Tcp, &pki.nbdkit_args(), &[]);
         vol.tls = true;
         vol
     }
@@ -98,6 +128,7 @@ impl Volume {
         cap: VolumeCapability,
         listen: Listen,
         server_options: &[String],
+        plugin_options: &[String],
     ) -> Self {
         let root = daemon.scratch();
         let backing = root.join(format!("{id}.img"));
@@ -108,6 +139,7 @@ impl Volume {
         let file = format!("file={}", backing.display());
         let mut args: Vec<&str> = server_options.iter().map(String::as_str).collect();
         args.extend(["file", &file]);
+        args.extend(plugin_options.iter().map(String::as_str));
         let server = NbdServer::nbdkit(listen, &args).unwrap();
         let block = matches!(
             cap.access_type,

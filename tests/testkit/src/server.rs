@@ -111,6 +111,13 @@ impl NbdServer {
         }
     }
 
+    /// Starts the server again at its address with other arguments: the storage coming back
+    /// different after a failover or a restore (another image, read-only, fewer flags).
+    pub fn restart_with(&mut self, args: &[&str]) -> io::Result<()> {
+        self.args = args.iter().map(|s| s.to_string()).collect();
+        self.start()
+    }
+
     /// Starts the server (again) at its address and waits until it accepts connections.
     pub fn start(&mut self) -> io::Result<()> {
         self.kill();
