@@ -3,5 +3,6 @@
 
 pub mod codes;
 pub mod identity;
+pub mod inflight;
 pub mod node;
 pub mod registration;
