@@ -61,20 +61,34 @@ fn parse_pause(action: &str) -> Option<Duration> {
 
 /// Waits at `point` if a test armed a pause there; nothing in production builds.
 pub async fn pause(point: &str) {
+    if let Some(wait) = armed(point) {
+        tokio::time::sleep(wait).await;
+    }
+}
+
+/// Like [`pause`], but holds the calling thread as a slow disk does (for the journal's
+/// writes, which block on the root disk).
+pub fn stall(point: &str) {
+    if let Some(wait) = armed(point) {
+        std::thread::sleep(wait);
+    }
+}
+
+/// How long to wait at `point`, marked as begun, if a test armed it.
+fn armed(point: &str) -> Option<std::time::Duration> {
     if !cfg!(feature = "failpoints") {
-        return;
+        return None;
     }
-    if let Some(wait) = PAUSES.get().and_then(|p| p.get(point)) {
-        tracing::warn!(point, ?wait, "failpoint: pausing");
-        if let Some(dir) = std::env::var_os(MARKS).map(std::path::PathBuf::from) {
-            let marked =
-                std::fs::create_dir_all(&dir).and_then(|()| std::fs::write(dir.join(point), b""));
-            if let Err(e) = marked {
-                tracing::warn!(point, error = %e, "failpoint: cannot mark the pause");
-            }
+    let wait = *PAUSES.get()?.get(point)?;
+    tracing::warn!(point, ?wait, "failpoint: pausing");
+    if let Some(dir) = std::env::var_os(MARKS).map(std::path::PathBuf::from) {
+        let marked =
+            std::fs::create_dir_all(&dir).and_then(|()| std::fs::write(dir.join(point), b""));
+        if let Err(e) = marked {
+            tracing::warn!(point, error = %e, "failpoint: cannot mark the pause");
         }
-        tokio::time::sleep(*wait).await;
     }
+    Some(wait)
 }
 
 #[cfg(test)]

@@ -107,6 +107,7 @@ impl Journal {
         f.write_all(&json).map_err(|e| io(&tmp, "writing", e))?;
         f.sync_all().map_err(|e| io(&tmp, "syncing", e))?;
         drop(f);
+        crate::failpoints::stall("journal-slow-disk");
         fail::fail_point!("journal-before-rename");
         fs::rename(&tmp, &path).map_err(|e| io(&path, "renaming into", e))?;
         self.sync_dir()

@@ -211,8 +211,31 @@ impl Kernel for NbdKernel {
         self.sysfs.wait_ready(index, bytes, timeout).await
     }
 
+    /// The kernel handles DISCONNECT inside the sending `sendmsg`, where it can wait on a
+    /// stalled socket (sending NBD_CMD_DISC to a server that stopped reading). So it is sent
+    /// from a thread and a netlink socket of its own: neither a runtime worker nor the socket
+    /// every other volume's RECONFIGURE goes through waits with it.
     async fn disconnect(&self, device: &ProvenDevice) -> Result<(), nbd::Error> {
-        self.nl.disconnect(device).await
+        let device = device.clone();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        std::thread::Builder::new()
+            .name("nbd-disconnect".into())
+            .spawn(move || {
+                let result = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .map_err(|e| {
+                        nbd::Error::NetlinkSocket(format!("a runtime for DISCONNECT: {e}"))
+                    })
+                    .and_then(|rt| {
+                        rt.block_on(async { NbdNetlink::open().await?.disconnect(&device).await })
+                    });
+                let _ = tx.send(result);
+            })
+            .map_err(|e| nbd::Error::NetlinkSocket(format!("a thread for DISCONNECT: {e}")))?;
+        rx.await.map_err(|_| {
+            nbd::Error::NetlinkSocket("the DISCONNECT thread ended without an answer".into())
+        })?
     }
 
     async fn wait_released(&self, index: DeviceIndex, timeout: Duration) -> Result<(), nbd::Error> {

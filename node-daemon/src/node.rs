@@ -43,6 +43,8 @@ pub struct Node {
     /// probe, mkfs, grow, flush, freeze: blocking, so only through [`off_runtime`].
     pub(crate) tools: Arc<dyn Tools>,
     records: Mutex<BTreeMap<String, Record>>,
+    /// Per volume, whose turn it is to write its journal record (see [`Node::journaled`]).
+    journal_turns: Mutex<HashMap<String, Arc<Mutex<()>>>>,
     /// One CSI operation (or recovery step) per volume at a time. Held across device I/O, so
     /// healing never takes it.
     pub(crate) locks: VolumeLocks,
@@ -83,6 +85,7 @@ impl Node {
             mounts: host.mounts,
             tools: host.tools,
             records: Mutex::default(),
+            journal_turns: Mutex::default(),
             locks: VolumeLocks::default(),
             link_locks: VolumeLocks::default(),
             links: Mutex::default(),
@@ -153,30 +156,54 @@ impl Node {
 
     /// Journals `record` durably, then makes it the in-memory truth. The connection list
     /// (`tcp`) is not the caller's to change: the healer updates it without the volume lock,
-    /// so the current one is kept (see [`Node::set_tcp`]). Journal writes happen under the
-    /// records lock, so two writers of one volume never interleave.
+    /// so the current one is kept (see [`Node::set_tcp`]). Two writers of one volume never
+    /// interleave (see [`Node::journaled`]).
     pub(crate) fn save(&self, record: &Record) -> Result<(), NodeError> {
-        let mut records = lock(&self.records);
-        let mut record = record.clone();
-        if let Some(current) = records.get(record.volume_id.as_str()) {
-            if current.identifier == record.identifier {
-                record.tcp = current.tcp.clone();
+        self.journaled(record.volume_id.as_str(), |current| {
+            let mut record = record.clone();
+            if let Some(current) = current {
+                if current.identifier == record.identifier {
+                    record.tcp = current.tcp.clone();
+                }
             }
-        }
-        self.journal.write(&record)?;
-        records.insert(record.volume_id.to_string(), record);
-        self.metrics.volumes.set(records.len() as i64);
-        Ok(())
+            Some(record)
+        })
     }
 
     /// Journals `record` whole, its connection list included: for the step that has just
     /// dialed them, before CONNECT.
     pub(crate) fn save_with_connections(&self, record: &Record) -> Result<(), NodeError> {
-        let mut records = lock(&self.records);
-        self.journal.write(record)?;
-        records.insert(record.volume_id.to_string(), record.clone());
-        self.metrics.volumes.set(records.len() as i64);
-        Ok(())
+        self.journaled(record.volume_id.as_str(), |_| Some(record.clone()))
+    }
+
+    /// The one way a record is written: `change` sees the current record and says what to
+    /// journal (`None`: nothing). Writers of one volume take turns on its journal lock; the
+    /// records lock is held only to read and to swap, never across the disk, so a slow root
+    /// disk stalls only the writers of that volume, not every call and the healer. The
+    /// write (file, fsync, rename, directory fsync) leaves the runtime's worker to the
+    /// runtime while it waits for the disk.
+    fn journaled(
+        &self,
+        volume: &str,
+        change: impl FnOnce(Option<&Record>) -> Option<Record>,
+    ) -> Result<(), NodeError> {
+        let turn = Arc::clone(
+            lock(&self.journal_turns)
+                .entry(volume.to_owned())
+                .or_default(),
+        );
+        on_disk(|| {
+            let _turn = lock(&turn);
+            let current = lock(&self.records).get(volume).cloned();
+            let Some(record) = change(current.as_ref()) else {
+                return Ok(());
+            };
+            self.journal.write(&record)?;
+            let mut records = lock(&self.records);
+            records.insert(volume.to_owned(), record);
+            self.metrics.volumes.set(records.len() as i64);
+            Ok(())
+        })
     }
 
     /// Gives free nbd devices the `none` scheduler ahead of use, so the queue freeze a switch
@@ -205,27 +232,33 @@ impl Node {
         identifier: &BackendId,
         tcp: Vec<TcpConnection>,
     ) -> Result<(), NodeError> {
-        let mut records = lock(&self.records);
-        let Some(current) = records.get(volume) else {
-            return Ok(());
-        };
-        if current.identifier != *identifier || current.tcp == tcp {
-            return Ok(());
-        }
-        let mut record = current.clone();
-        record.tcp = tcp;
-        self.journal.write(&record)?;
-        records.insert(volume.to_owned(), record);
-        Ok(())
+        self.journaled(volume, |current| {
+            let current = current?;
+            if current.identifier != *identifier || current.tcp == tcp {
+                return None;
+            }
+            let mut record = current.clone();
+            record.tcp = tcp;
+            Some(record)
+        })
     }
 
     /// Forgets the volume, journal first.
     pub(crate) fn forget(&self, volume: &str) -> Result<(), NodeError> {
-        let mut records = lock(&self.records);
-        self.journal.remove(volume)?;
-        records.remove(volume);
-        self.metrics.volumes.set(records.len() as i64);
-        drop(records);
+        let turn = Arc::clone(
+            lock(&self.journal_turns)
+                .entry(volume.to_owned())
+                .or_default(),
+        );
+        on_disk(|| {
+            let _turn = lock(&turn);
+            self.journal.remove(volume)?;
+            let mut records = lock(&self.records);
+            records.remove(volume);
+            self.metrics.volumes.set(records.len() as i64);
+            Ok::<_, NodeError>(())
+        })?;
+        lock(&self.journal_turns).remove(volume);
         self.held.forget(volume);
         self.set_link(volume, Link::Up);
         lock(&self.links).remove(volume);
@@ -271,32 +304,29 @@ impl Node {
         lock(&self.detaching).contains(volume)
     }
 
-    /// DISCONNECT of `volume`'s device, proven again under the link lock so the healer can
-    /// neither race it nor reconnect the device afterwards; then waits until the kernel has
-    /// let the device go. The caller has unmounted and flushed: DISCONNECT fails I/O in flight.
+    /// DISCONNECT of `volume`'s device, marked as detaching and proven again under the link
+    /// lock so the healer can neither race it nor reconnect the device afterwards; then waits
+    /// until the kernel has let the device go. The caller has unmounted and flushed:
+    /// DISCONNECT fails I/O in flight.
     pub(crate) async fn disconnect(
         &self,
         volume: &str,
         device: &ProvenDevice,
     ) -> Result<(), NodeError> {
-        let result = async {
+        // Cleared however this ends: a marker left behind would stop healing for good.
+        let _detaching = Detaching::mark(self, volume);
+        // The link lock only waits out a RECONFIGURE already under way: every later one sees
+        // the marker first. It is not held across the DISCONNECT itself, which can wait in
+        // the kernel on a stalled socket.
+        let device = {
             let _link = self.link_locks.lock(volume).await;
-            lock(&self.detaching).insert(volume.to_owned());
-            let device = self.kernel.prove(device.index(), device.identifier())?;
-            self.kernel.disconnect(&device).await?;
-            Ok::<_, NodeError>(device.index())
-        }
-        .await;
-        let result = match result {
-            Ok(index) => self
-                .kernel
-                .wait_released(index, RELEASE_TIMEOUT)
-                .await
-                .map_err(NodeError::from),
-            Err(e) => Err(e),
+            self.kernel.prove(device.index(), device.identifier())?
         };
-        lock(&self.detaching).remove(volume);
-        result
+        self.kernel.disconnect(&device).await?;
+        self.kernel
+            .wait_released(device.index(), RELEASE_TIMEOUT)
+            .await?;
+        Ok(())
     }
 
     /// Puts the `none` I/O scheduler back on a device of ours where someone changed it: with
@@ -366,6 +396,25 @@ impl Node {
     }
 }
 
+/// A volume marked as being disconnected for as long as this lives.
+struct Detaching<'a> {
+    node: &'a Node,
+    volume: &'a str,
+}
+
+impl<'a> Detaching<'a> {
+    fn mark(node: &'a Node, volume: &'a str) -> Self {
+        lock(&node.detaching).insert(volume.to_owned());
+        Self { node, volume }
+    }
+}
+
+impl Drop for Detaching<'_> {
+    fn drop(&mut self) {
+        lock(&self.node.detaching).remove(self.volume);
+    }
+}
+
 fn count_down(links: &HashMap<String, Link>) -> usize {
     links
         .values()
@@ -405,6 +454,18 @@ where
     tokio::task::spawn_blocking(f)
         .await
         .map_err(|source| NodeError::Worker { what, source })?
+}
+
+/// Runs `f`, which waits for the root disk (a journal write), without holding up the other
+/// tasks of the runtime worker it is called on: the multi-threaded runtime hands them to
+/// another worker meanwhile. Called from a blocking thread or a current-thread runtime (the
+/// unit tests), it just runs.
+fn on_disk<T>(f: impl FnOnce() -> T) -> T {
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    match Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == RuntimeFlavor::MultiThread => tokio::task::block_in_place(f),
+        _ => f(),
+    }
 }
 
 /// Major and minor numbers of a block device node.

@@ -80,6 +80,117 @@ async fn unstage_during_an_outage_waits_for_the_heal_and_loses_nothing() {
     assert_clean(&daemon);
 }
 
+/// A slow root disk holds up only the journal writes of the volume being written: while
+/// each of one volume's writes takes 1.5 s, calls for another volume, and Probe, answer at
+/// once (journal writes no longer hold the lock every call and the healer read records under).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn a_slow_journal_disk_holds_up_only_its_own_volume() {
+    let mut daemon = NodeDaemon::new("slow-disk", CONFIG).unwrap();
+    let mut c = daemon.start(Some("journal-slow-disk=pause(1500)")).await;
+    let steady = Volume::new(&daemon, "steady", 32 * MIB, block());
+    steady.up(&mut c).await;
+    daemon.wait_paused("journal-slow-disk").await; // the mark of steady's own writes
+    let slow = Volume::new(&daemon, "slow", 32 * MIB, block());
+    let staging = {
+        let mut c = c.clone();
+        let req = stage_request(&slow.id, &slow.staging, slow.cap.clone(), &slow.uri());
+        tokio::spawn(async move { c.node.node_stage_volume(req).await })
+    };
+    daemon.wait_paused("journal-slow-disk").await;
+    let mut slowest = Duration::ZERO;
+    let window = Instant::now();
+    while window.elapsed() < Duration::from_secs(3) {
+        let started = Instant::now();
+        c.node
+            .node_get_volume_stats(stats_request(&steady.id, &steady.target))
+            .await
+            .unwrap();
+        let ready = c
+            .identity
+            .probe(ProbeRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(ready.ready, Some(true));
+        slowest = slowest.max(started.elapsed());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        slowest < Duration::from_millis(700),
+        "calls for another volume waited {slowest:?} for the slow journal write"
+    );
+    staging.await.unwrap().unwrap();
+    slow.publish(&mut c).await.unwrap();
+    slow.down(&mut c).await;
+    steady.down(&mut c).await;
+    assert_clean(&daemon);
+}
+
+/// kubelet abandons a NodeUnstage at its deadline and calls again. The first call's unmount
+/// still writes back to a dead server; the retries must neither find the mount gone and
+/// DISCONNECT (losing the last writes) nor start a second teardown beside it: they wait for
+/// the first. Once the server is back, everything written is on the export.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn an_abandoned_unstage_lets_go_of_nothing() {
+    let (daemon, mut c) = start_node("abandoned").await;
+    let mut vol = Volume::new(&daemon, "abandoned", 64 * MIB, ext4());
+    vol.up(&mut c).await;
+    let errors_before = kernel_io_errors();
+    // Dirty pages only: nothing reaches the export before the unmount writes them back.
+    let data = pattern(23, 0, 4 * MIB as usize);
+    std::fs::write(vol.target.join("unsynced"), &data).unwrap();
+    vol.unpublish(&mut c).await.unwrap();
+    vol.server.kill();
+    let device = vol.device(&daemon).unwrap();
+
+    for attempt in 0..3 {
+        let mut req = tonic::Request::new(unstage_request(&vol.id, &vol.staging));
+        req.set_timeout(Duration::from_secs(3));
+        let started = Instant::now();
+        let e = c.node.node_unstage_volume(req).await.unwrap_err();
+        assert!(
+            matches!(e.code(), Code::DeadlineExceeded | Code::Cancelled),
+            "attempt {attempt}: {e:?}"
+        );
+        assert!(
+            started.elapsed() >= Duration::from_secs(2),
+            "attempt {attempt} answered early"
+        );
+        assert_eq!(
+            vol.device(&daemon),
+            Some(device),
+            "attempt {attempt}: disconnected while the unmount was still writing back"
+        );
+    }
+    vol.server.start().unwrap();
+    let started = Instant::now();
+    loop {
+        let mut req = tonic::Request::new(unstage_request(&vol.id, &vol.staging));
+        req.set_timeout(Duration::from_secs(10));
+        match c.node.node_unstage_volume(req).await {
+            Ok(_) => break,
+            Err(_) if started.elapsed() < Duration::from_secs(60) => {
+                tokio::time::sleep(Duration::from_millis(500)).await
+            }
+            Err(e) => panic!("NodeUnstage after the server came back: {e:?}"),
+        }
+    }
+    assert_eq!(vol.device(&daemon), None);
+    assert_eq!(
+        kernel_io_errors(),
+        errors_before,
+        "no I/O error reached the kernel log"
+    );
+
+    // Every byte written before the outage is on the export.
+    vol.up(&mut c).await;
+    assert!(std::fs::read(vol.target.join("unsynced")).unwrap() == data);
+    vol.down(&mut c).await;
+    assert_clean(&daemon);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "vm: needs root and the nbd module"]
 async fn a_link_that_died_while_the_daemon_was_down_is_reported_and_healed() {
