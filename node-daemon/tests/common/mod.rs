@@ -102,6 +102,36 @@ impl Volume {
         )
     }
 
+    /// Served over TCP by nbdkit (requiring TLS with `pki`'s certificates, if given) through
+    /// its error filter: reads fail with EIO while `reads_fail_while` exists. What the fault
+    /// campaign's volumes are served by: any of them can be reset, killed or degraded.
+    pub fn misbehaving(
+        daemon: &NodeDaemon,
+        id: &str,
+        size: u64,
+        cap: VolumeCapability,
+        pki: Option<&testkit::tls::TestPki>,
+        reads_fail_while: &Path,
+    ) -> Self {
+        let mut options: Vec<String> = pki.map(|p| p.nbdkit_args().to_vec()).unwrap_or_default();
+        options.push("--filter=error".into());
+        let mut vol = Self::served(
+            daemon,
+            id,
+            size,
+            cap,
+            Listen::Tcp,
+            &options,
+            &[
+                "error-pread=EIO".into(),
+                "error-pread-rate=100%".into(),
+                format!("error-pread-file={}", reads_fail_while.display()),
+            ],
+        );
+        vol.tls = pki.is_some();
+        vol
+    }
+
     /// The nbdkit arguments that serve `image` as this volume's export (for a restart with
     /// other ones: see [`NbdServer::restart_with`]).
     pub fn file_args(image: &Path) -> Vec<String> {
