@@ -256,7 +256,7 @@ fn nothing_leaked(daemon: &NodeDaemon, subjects: &[Subject]) -> Result<(), Strin
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "vm: needs root, the nbd and tls modules"]
-async fn a_randomized_fault_campaign_loses_no_acknowledged_write() {
+async fn a_chaos_campaign_loses_no_acknowledged_write() {
     let seed: u64 = std::env::var("USTOR_CHAOS_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
