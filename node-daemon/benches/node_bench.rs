@@ -2,8 +2,10 @@
 //!
 //! - attach: NodeStageVolume (block) through the CSI socket vs `nbd-client` on the same export,
 //!   20 runs each, interleaved, medians and ratio;
-//! - restart: daemon start to "ready" (Probe) with 16, 64 and 256 staged volumes;
-//! - footprint: daemon RSS with 16, 64 and 256 staged volumes, idle;
+//! - storm: 64 NodeStageVolume (block) at once from one client, beside 64 `nbd-client` at once:
+//!   p50, p95 and max per call, and the wall time of each storm;
+//! - restart: daemon start to "ready" (Probe) with 16, 64, 256 and 1,024 staged volumes;
+//! - footprint: daemon RSS with 16, 64, 256 and 1,024 staged volumes, idle;
 //! - reconnect: from the NBD server's restart to I/O flowing again on a staged volume.
 
 // A benchmark stops on the first failure. Its clocks count from its own start: micro- and
@@ -104,8 +106,117 @@ async fn attach_latency(server: &NbdServer) {
     println!("  ratio NodeStage / nbd-client : {:.2}", ms(n) / ms(m));
 }
 
+/// Percentile `p` (0–100) of sorted samples.
+fn percentile(sorted: &[Duration], p: usize) -> Duration {
+    sorted[(sorted.len() * p / 100).min(sorted.len() - 1)]
+}
+
+fn storm_line(what: &str, mut calls: Vec<Duration>, wall: Duration) {
+    calls.sort();
+    println!(
+        "  {what:<24}: wall {:8.1} ms; per call p50 {:7.1} ms, p95 {:7.1} ms, max {:7.1} ms",
+        ms(wall),
+        ms(percentile(&calls, 50)),
+        ms(percentile(&calls, 95)),
+        ms(*calls.last().unwrap())
+    );
+}
+
+/// 64 NodeStage(block) calls at once from one client process, as kubelet makes them (one
+/// process per call would measure the client's start-up), beside 64 `nbd-client` attaches at
+/// once on 64 free devices, in the same guest run.
+async fn attach_storm(server: &NbdServer) {
+    const STORM: usize = 64;
+    let mut daemon = NodeDaemon::new("bench-storm", "").unwrap();
+    let mut c = daemon.start(None).await;
+    let started = Instant::now();
+    let calls: Vec<_> = (0..STORM)
+        .map(|n| {
+            let id = format!("storm-{n}");
+            let path = staging(&daemon, &id);
+            let (mut node, uri) = (c.node.clone(), server.uri_for(&id).to_string());
+            tokio::spawn(async move {
+                let t = Instant::now();
+                node.node_stage_volume(stage_request(
+                    &id,
+                    &path,
+                    block_capability(Mode::SingleNodeSingleWriter),
+                    &uri,
+                ))
+                .await
+                .unwrap();
+                (id, path, t.elapsed())
+            })
+        })
+        .collect();
+    let mut staged = Vec::new();
+    for call in calls {
+        staged.push(call.await.unwrap());
+    }
+    let node_wall = started.elapsed();
+    let node_calls: Vec<Duration> = staged.iter().map(|(_, _, d)| *d).collect();
+    for (id, path, _) in &staged {
+        c.node
+            .node_unstage_volume(unstage_request(id, path))
+            .await
+            .unwrap();
+    }
+
+    let sysfs = Sysfs::default();
+    let nbd::uri::Endpoint::Tcp { port, .. } = server.uri().endpoint().clone() else {
+        unreachable!()
+    };
+    let free: Vec<_> = sysfs
+        .devices()
+        .unwrap()
+        .into_iter()
+        .filter(|i| {
+            sysfs.backend(*i).ok().flatten().is_none() && sysfs.size_bytes(*i).ok() == Some(0)
+        })
+        .take(STORM)
+        .collect();
+    assert_eq!(free.len(), STORM, "free devices for the nbd-client storm");
+    let started = Instant::now();
+    let attaches: Vec<_> = free
+        .iter()
+        .map(|index| {
+            let (sysfs, index) = (sysfs.clone(), *index);
+            // nbd-client is a process the helper waits for: on a thread each, so all 64 run
+            // at once, not two at a time on the runtime's workers.
+            let runtime = tokio::runtime::Handle::current();
+            tokio::task::spawn_blocking(move || {
+                let t = Instant::now();
+                runtime.block_on(testkit::nbd_client::attach(
+                    &sysfs,
+                    index,
+                    "bench",
+                    port,
+                    &["-b", "512"],
+                    SIZE,
+                ));
+                t.elapsed()
+            })
+        })
+        .collect();
+    let mut client_calls = Vec::new();
+    for a in attaches {
+        client_calls.push(a.await.unwrap());
+    }
+    let client_wall = started.elapsed();
+    for index in &free {
+        testkit::nbd_client::detach(&sysfs, *index).await;
+    }
+    println!("attach storm, {STORM} at once (call to device ready):");
+    storm_line("NodeStageVolume (block)", node_calls, node_wall);
+    storm_line("nbd-client", client_calls, client_wall);
+    println!(
+        "  wall ratio NodeStage / nbd-client : {:.2}",
+        ms(node_wall) / ms(client_wall)
+    );
+}
+
 async fn restart_and_footprint(server: &NbdServer) {
-    for count in [16usize, 64, 256] {
+    for count in [16usize, 64, 256, 1024] {
         let mut daemon = NodeDaemon::new(&format!("bench-restart-{count}"), "").unwrap();
         let mut c = daemon.start(None).await;
         let mut paths = Vec::new();
@@ -243,6 +354,9 @@ async fn main() {
     let server = NbdServer::nbdkit(Listen::Tcp, &["memory", "64M"]).unwrap();
     if wanted("attach") {
         attach_latency(&server).await;
+    }
+    if wanted("storm") {
+        attach_storm(&server).await;
     }
     if wanted("restart footprint") {
         restart_and_footprint(&server).await;
