@@ -152,6 +152,13 @@ impl Subject {
     }
 }
 
+/// A line of the campaign's log, written to stderr itself: libtest keeps what a passing test
+/// prints with `println!`, and the seed and the report must be seen.
+fn say(line: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "{line}");
+}
+
 fn drop_page_cache() {
     std::fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
 }
@@ -272,7 +279,7 @@ async fn a_chaos_campaign_loses_no_acknowledged_write() {
             .and_then(|s| s.parse().ok())
             .unwrap_or(150),
     );
-    println!("chaos: seed {seed}, drawing faults for {budget:?} (USTOR_CHAOS_SEED={seed} replays this run)");
+    say(&format!("chaos: seed {seed}, drawing faults for {budget:?} (USTOR_CHAOS_SEED={seed} replays this run)"));
     let mut rng = Rng::new(seed);
 
     let pki = TestPki::new("chaos CA").unwrap();
@@ -330,11 +337,11 @@ async fn a_chaos_campaign_loses_no_acknowledged_write() {
             .unwrap_or_else(|| KINDS[rng.below(KINDS.len() as u64) as usize]);
         let who = rng.below(subjects.len() as u64) as usize;
         let s = &mut subjects[who];
-        println!(
+        say(&format!(
             "chaos: round {round} ({:?} in): {fault:?} on {}",
             campaign.elapsed(),
             s.vol.id
-        );
+        ));
         *injected.entry(fault).or_default() += 1;
 
         // Writers run through the faults that leave the volume published.
@@ -468,11 +475,11 @@ async fn a_chaos_campaign_loses_no_acknowledged_write() {
             )
         })
         .collect();
-    println!(
+    say(&format!(
         "chaos: seed {seed}: {round} rounds in {:?}, {abandoned_calls} calls abandoned and retried, {acked} slots verified; survived/injected: {}",
         campaign.elapsed(),
         report.join(", ")
-    );
+    ));
     for k in KINDS {
         assert!(
             injected.get(&k).copied().unwrap_or(0) >= DEAL as u32,
