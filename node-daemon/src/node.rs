@@ -187,11 +187,7 @@ impl Node {
         volume: &str,
         change: impl FnOnce(Option<&Record>) -> Option<Record>,
     ) -> Result<(), NodeError> {
-        let turn = Arc::clone(
-            lock(&self.journal_turns)
-                .entry(volume.to_owned())
-                .or_default(),
-        );
+        let turn = self.journal_turn(volume);
         on_disk(|| {
             let _turn = lock(&turn);
             let current = lock(&self.records).get(volume).cloned();
@@ -224,6 +220,15 @@ impl Node {
         }
     }
 
+    /// The lock writers of `volume`'s journal record take turns on.
+    fn journal_turn(&self, volume: &str) -> Arc<Mutex<()>> {
+        Arc::clone(
+            lock(&self.journal_turns)
+                .entry(volume.to_owned())
+                .or_default(),
+        )
+    }
+
     /// Journals the connections the device of `volume` may hold, if the volume still has
     /// the attachment `identifier` (a forgotten or re-attached volume is left alone).
     pub(crate) fn set_tcp(
@@ -245,11 +250,7 @@ impl Node {
 
     /// Forgets the volume, journal first.
     pub(crate) fn forget(&self, volume: &str) -> Result<(), NodeError> {
-        let turn = Arc::clone(
-            lock(&self.journal_turns)
-                .entry(volume.to_owned())
-                .or_default(),
-        );
+        let turn = self.journal_turn(volume);
         on_disk(|| {
             let _turn = lock(&turn);
             self.journal.remove(volume)?;
