@@ -8,6 +8,9 @@ mod common;
 use std::sync::Arc;
 use std::time::Instant;
 
+use controller_shim::backend::connections::{
+    ConnectionDirectory, ConnectionError, ConnectionsBackend,
+};
 use controller_shim::backend::ustor::api::UstorApi;
 use controller_shim::backend::ustor::backend::UstorBackend;
 use controller_shim::backend::ustor::credentials::CredentialsDir;
@@ -231,5 +234,117 @@ async fn a_refused_login_names_its_reason_to_the_sidecar() {
         server.logins(),
         1,
         "the refused password is not retried at once"
+    );
+}
+
+/// The connections as a fixed list, the first the oldest (in Kubernetes the glue keeps
+/// them): each name's session to its uStor.
+#[derive(Debug)]
+struct FixedConnections(Vec<(&'static str, Arc<UstorApi>)>);
+
+impl ConnectionDirectory for FixedConnections {
+    fn api(&self, connection: &str) -> Result<Arc<UstorApi>, ConnectionError> {
+        self.0
+            .iter()
+            .find(|(name, _)| *name == connection)
+            .map(|(_, api)| Arc::clone(api))
+            .ok_or_else(|| ConnectionError::Unknown {
+                connection: connection.to_owned(),
+            })
+    }
+
+    fn oldest(&self) -> Option<String> {
+        self.0.first().map(|(name, _)| (*name).to_owned())
+    }
+}
+
+/// The controller over every connection (`main`, the oldest, on `server`), as
+/// `--backend ustor --kubernetes` serves it.
+async fn connections_controller(
+    server: &FakeUstor,
+) -> (ControllerClient<Channel>, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let creds = dir.path().join("credentials");
+    std::fs::create_dir_all(&creds).unwrap();
+    std::fs::write(creds.join("username"), "csi").unwrap();
+    std::fs::write(creds.join("password"), "pw").unwrap();
+    let api = UstorApi::new(
+        &server.url(),
+        None,
+        Arc::new(CredentialsDir::new(&creds)),
+        Timing::default(),
+        Arc::new(Instant::now),
+    )
+    .unwrap();
+    let directory = FixedConnections(vec![("main", Arc::new(api))]);
+    let backend = ConnectionsBackend::new(Arc::new(directory), "data");
+    let (client, _server) =
+        common::serve_controller(dir.path(), Arc::new(backend), "test", None, None).await;
+    (client, dir)
+}
+
+/// A CreateVolume the provisioner retries (its answer lost, a timeout) answers the volume
+/// it made, whatever the source: a restore or clone of a connection's volume is recorded
+/// with its source's connection-qualified id, and an id without the connection (the
+/// single-cluster controller's) names the same source.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restores_and_clones_through_the_connections_are_idempotent() {
+    let server = FakeUstor::start().await.unwrap();
+    server.set_user("csi", "pw", None);
+    let (mut c, _dir) = connections_controller(&server).await;
+    let in_main = |name: &str| {
+        let mut request = create(name, 100 * MIB, Some("data"));
+        request
+            .parameters
+            .insert("connection".to_owned(), "main".to_owned());
+        request
+    };
+    let source = created_volume(&mut c, in_main("pvc-source")).await;
+    assert_eq!(source.volume_id, "ustor:volume:main/data/test-pvc-source");
+    let snap = created_snapshot(&mut c, &source.volume_id, "snap-1").await;
+    assert_eq!(snap.snapshot_id, "ustor:snapshot:main/data/test-snap-1");
+    let legacy_snapshot = snap.snapshot_id.replace("main/", "");
+
+    for (name, content) in [
+        ("pvc-restored", from_snapshot(&snap.snapshot_id)),
+        ("pvc-cloned", from_volume(&source.volume_id)),
+        ("pvc-restored-legacy", from_snapshot(&legacy_snapshot)),
+    ] {
+        let request = CreateVolumeRequest {
+            volume_content_source: content.clone(),
+            ..in_main(name)
+        };
+        let first = created_volume(&mut c, request.clone()).await;
+        assert_eq!(first.content_source, content, "{name}");
+        // Once published (the publications are written back with the volume's record),
+        // and again after that: the same volume each time.
+        let retried = created_volume(&mut c, request.clone()).await;
+        assert_eq!(retried, first, "{name}: the retry answers the same volume");
+        c.controller_publish_volume(controller_publish_request(
+            &first.volume_id,
+            "node-a",
+            mount_capability("ext4", Mode::SingleNodeWriter),
+        ))
+        .await
+        .unwrap();
+        let retried = created_volume(&mut c, request.clone()).await;
+        assert_eq!(retried, first, "{name}: after a publish, still the same");
+        // Another source under the same name is still a clash.
+        let other = CreateVolumeRequest {
+            volume_content_source: None,
+            ..request
+        };
+        let clash = c.create_volume(other).await.unwrap_err();
+        assert_eq!(clash.code(), Code::AlreadyExists, "{name}");
+    }
+    assert_eq!(
+        server.images(),
+        [
+            "data/test-pvc-cloned",
+            "data/test-pvc-restored",
+            "data/test-pvc-restored-legacy",
+            "data/test-pvc-source"
+        ],
+        "one image each, none orphaned"
     );
 }

@@ -2,7 +2,9 @@
 //! oldest). A volume's key starts with its connection, `<connection>/<pool>/<image>`, so its
 //! id says where it lives; keys of the single-cluster controller (`<pool>/<image>`) belong
 //! to the oldest connection, which is what that controller served. Each call goes to the
-//! connection's management API session, whose credentials follow its Secret.
+//! connection's management API session, whose credentials follow its Secret. A clone's or
+//! restore's source is on its volume's connection: recorded without it, as that uStor
+//! cluster knows it, and answered with it, so a repeated CreateVolume finds its source.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -80,6 +82,29 @@ impl ConnectionsBackend {
         Ok((name, UstorBackend::new(api, &self.default_pool)))
     }
 
+    /// `meta` as the backend of volume `key` records it: a clone or restore copies inside one
+    /// uStor cluster, so its source is on the volume's connection and recorded without it,
+    /// as that cluster's backend keys it (`<pool>/<image>`).
+    fn stored(&self, key: &str, meta: &VolumeMeta) -> Result<VolumeMeta, ConnectionError> {
+        let mut meta = meta.clone();
+        if let Some(source) = &meta.source {
+            let connection = |k: &str| {
+                split(k)
+                    .0
+                    .map(str::to_owned)
+                    .or_else(|| self.directory.oldest())
+            };
+            if connection(source.key()) != connection(key) {
+                return Err(ConnectionError::SourceElsewhere {
+                    source_key: source.key().to_owned(),
+                    key: key.to_owned(),
+                });
+            }
+            meta.source = Some(source.with_key(split(source.key()).1.to_owned()));
+        }
+        Ok(meta)
+    }
+
     /// The backend of an image key and the key as that backend knows it.
     fn route<'k>(&self, key: &'k str) -> Result<(UstorBackend, &'k str), ConnectionError> {
         let (connection, rest) = split(key);
@@ -124,6 +149,15 @@ impl Backend for ConnectionsBackend {
         }
     }
 
+    /// With its connection: the oldest's when the key (of the single-cluster controller)
+    /// has none.
+    fn source_key(&self, key: &str) -> String {
+        match (split(key), self.directory.oldest()) {
+            ((None, rest), Some(oldest)) => format!("{oldest}/{rest}"),
+            _ => key.to_owned(),
+        }
+    }
+
     /// Named after the volume's connection: each connection has its own TLS Secret, and
     /// nodes define a `[tls-profile.<connection>]` with its files.
     fn tls_profile(&self, key: &str) -> Option<String> {
@@ -138,40 +172,26 @@ impl Backend for ConnectionsBackend {
         backend.export_uri(rest).await
     }
 
+    /// The source recorded without its connection (it is the volume's) comes back with it.
     async fn volume(&self, key: &str) -> Result<Option<VolumeMeta>, BackendError> {
-        let (backend, rest) = self.route(key)?;
-        backend.volume(rest).await
+        let (connection, rest) = split(key);
+        let (connection, backend) = self.serving(connection)?;
+        Ok(backend.volume(rest).await?.map(|mut meta| {
+            meta.source = meta
+                .source
+                .map(|s| s.with_key(format!("{connection}/{}", s.key())));
+            meta
+        }))
     }
 
     async fn create_volume(&self, key: &str, meta: &VolumeMeta) -> Result<(), BackendError> {
-        let (connection, rest) = split(key);
-        let (backend, _) = self.route(key)?;
-        // A clone or restore copies inside one uStor cluster.
-        let mut meta = meta.clone();
-        if let Some(source) = meta.source.as_mut() {
-            let source_key = match source {
-                super::Source::Snapshot(k) | super::Source::Volume(k) => k,
-            };
-            let (source_connection, source_rest) = split(source_key);
-            let same = source_connection
-                .map(str::to_owned)
-                .or(self.directory.oldest())
-                == connection.map(str::to_owned).or(self.directory.oldest());
-            if !same {
-                return Err(ConnectionError::SourceElsewhere {
-                    source_key: source_key.clone(),
-                    key: key.to_owned(),
-                }
-                .into());
-            }
-            *source_key = source_rest.to_owned();
-        }
-        backend.create_volume(rest, &meta).await
+        let (backend, rest) = self.route(key)?;
+        backend.create_volume(rest, &self.stored(key, meta)?).await
     }
 
     async fn update_volume(&self, key: &str, meta: &VolumeMeta) -> Result<(), BackendError> {
         let (backend, rest) = self.route(key)?;
-        backend.update_volume(rest, meta).await
+        backend.update_volume(rest, &self.stored(key, meta)?).await
     }
 
     async fn delete_volume(&self, key: &str) -> Result<(), BackendError> {

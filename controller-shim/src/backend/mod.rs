@@ -21,6 +21,23 @@ pub enum Source {
     Volume(String),
 }
 
+impl Source {
+    /// The image key of the snapshot or volume.
+    pub fn key(&self) -> &str {
+        match self {
+            Source::Snapshot(k) | Source::Volume(k) => k,
+        }
+    }
+
+    /// The same kind of source under `key`.
+    pub fn with_key(&self, key: String) -> Self {
+        match self {
+            Source::Snapshot(_) => Source::Snapshot(key),
+            Source::Volume(_) => Source::Volume(key),
+        }
+    }
+}
+
 /// What CreateVolume asked for, kept so a repeated call can be told from a clash, and which
 /// nodes the volume is published to.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -72,6 +89,18 @@ pub trait Backend: Send + Sync + fmt::Debug {
         image.to_owned()
     }
 
+    /// A source's key (a snapshot's or volume's, from an id) in the one form [`volume`]
+    /// answers sources in, where ids have more than one form for an image: a repeated
+    /// CreateVolume compares its source by this, whichever form its id had.
+    ///
+    /// [`volume`]: Backend::volume
+    fn source_key(&self, key: &str) -> String {
+        key.to_owned()
+    }
+
+    /// What was recorded for the volume; its source in the form of [`source_key`].
+    ///
+    /// [`source_key`]: Backend::source_key
     async fn volume(&self, image: &str) -> Result<Option<VolumeMeta>, BackendError>;
     /// Creates the image (empty, or filled from `meta.source`) and records `meta`.
     async fn create_volume(&self, image: &str, meta: &VolumeMeta) -> Result<(), BackendError>;

@@ -78,13 +78,21 @@ impl Provisioner {
         }
         let _locked = self.images.lock_all(&keys).await;
         if let Some(existing) = self.backend.volume(&image).await? {
+            // The recorded source is in the backend's one form of its key; the request's id
+            // may have another (a uStor id without its connection).
+            let same_source = existing.source
+                == source
+                    .as_ref()
+                    .map(|s| s.with_key(self.backend.source_key(s.key())));
             let same = existing.name == r.name
                 && existing.parameters == parameters
-                && existing.source == source
+                && same_source
                 && request::fits(existing.size, r.capacity_range.as_ref());
             if !same {
                 return Err(VolumeError::Clash { name: r.name }.into());
             }
+            // The same answer as the first call's: the source as this request names it.
+            let existing = VolumeMeta { source, ..existing };
             return Ok(CreateVolumeResponse {
                 volume: Some(self.volume_answer(&image, &existing).await?),
             });
