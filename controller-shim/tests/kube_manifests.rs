@@ -102,6 +102,21 @@ async fn every_manifest_applies_and_the_controller_needs_no_more_than_its_roles(
         reason_has(s, "Secret d8-csi-mind-ustor/creds")
     })
     .await;
+    // It makes its key.
+    let secrets: Api<k8s_openapi::api::core::v1::Secret> =
+        Api::namespaced(admin.clone(), "d8-csi-mind-ustor");
+    eventually(
+        "the controller key made",
+        Duration::from_secs(30),
+        || async {
+            secrets
+                .get_opt(controller_shim::kube::key::KEY_SECRET)
+                .await
+                .ok()
+                .flatten()
+        },
+    )
+    .await;
     // The alerts' metrics exist and say what the resources' phases say.
     let text = controller_shim::metrics::ControllerMetrics::default()
         .with_collector(glue.phases.clone())

@@ -1,10 +1,12 @@
 //! The Kubernetes glue: the custom resources an operator writes ([`crd`]), the StorageClasses
 //! they own ([`storage_class`]), the VolumeSnapshotClass ([`snapshot_class`]) and the node
-//! list ControllerPublishVolume checks ([`nodes`]). Every loop survives the API server going
-//! away and coming back: watches re-list with back-off, reconcilers retry.
+//! list ControllerPublishVolume checks ([`nodes`]) and the controller's own key ([`key`]).
+//! Every loop survives the API server going away and coming back: watches re-list with
+//! back-off, reconcilers retry.
 
 pub mod connection;
 pub mod crd;
+pub mod key;
 pub mod leader;
 pub mod metrics;
 pub mod nodes;
@@ -138,6 +140,12 @@ impl Glue {
             }
             None => leader::Leadership::always(),
         };
+        let key = key::ControllerKey::default();
+        tasks.push(tokio::spawn(key::follow(
+            client.clone(),
+            settings.namespace.clone(),
+            key.clone(),
+        )));
         if let Some(hook) = settings.webhook.clone() {
             let (client, namespace) = (client.clone(), settings.namespace.clone());
             tasks.push(tokio::spawn(async move {
