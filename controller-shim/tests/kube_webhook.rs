@@ -8,7 +8,9 @@ mod common;
 
 use controller_shim::kube::crd::MindUstorStorageConnection;
 use controller_shim::kube::crd::{MindUstorStorageClass, Phase};
+use controller_shim::kube::stamp;
 use controller_shim::kube::{Glue, Settings};
+use k8s_openapi::api::core::v1::PersistentVolumeClaim;
 use kube::api::Api;
 use std::time::Duration;
 use testkit::kube_cluster::KubeCluster;
@@ -30,23 +32,72 @@ fn make_certificate(tag: &str) -> (Vec<u8>, String, String, TestPki) {
     )
 }
 
-/// deploy/webhook.yaml's ValidatingWebhookConfiguration, pointed at `url` with `ca`: the
-/// rules under test are the shipped ones.
-fn webhook_configuration(url: &str, ca: &[u8]) -> String {
+/// deploy/webhook.yaml's webhook configurations, each webhook pointed at its path under
+/// `base` (`https://127.0.0.1:<port>`) with `ca`: the rules under test are the shipped ones.
+fn webhook_configuration(base: &str, ca: &[u8]) -> String {
     let shipped = include_str!("../../deploy/webhook.yaml");
-    let document = shipped
+    let configs = shipped
         .split("\n---\n")
-        .find(|d| d.contains("kind: ValidatingWebhookConfiguration"))
+        .filter(|d| d.contains("WebhookConfiguration"))
+        .map(|document| {
+            let mut config: serde_json::Value = serde_yaml_ng::from_str(document).unwrap();
+            for hook in config["webhooks"].as_array_mut().unwrap() {
+                let path = hook["clientConfig"]["service"]["path"].as_str().unwrap();
+                hook["clientConfig"] = serde_json::json!({
+                    "url": format!("{base}{path}"),
+                    // ByteString serializes as base64, as caBundle is written.
+                    "caBundle": k8s_openapi::ByteString(ca.to_vec()),
+                });
+            }
+            config
+        })
+        .collect::<Vec<_>>();
+    serde_json::json!({ "apiVersion": "v1", "kind": "List", "items": configs }).to_string()
+}
+
+/// The webhook's serving certificate, as the operator puts it (`kubectl create secret tls`).
+fn put_tls(cluster: &KubeCluster, crt: &str, key: &str) {
+    let yaml = cluster
+        .kubectl(&[
+            "create",
+            "secret",
+            "tls",
+            "webhook-tls",
+            "-n",
+            "d8-csi-mind-ustor",
+            "--cert",
+            crt,
+            "--key",
+            key,
+            "--dry-run=client",
+            "-o",
+            "yaml",
+        ])
         .unwrap();
-    let mut config: serde_json::Value = serde_yaml_ng::from_str(document).unwrap();
-    for hook in config["webhooks"].as_array_mut().unwrap() {
-        hook["clientConfig"] = serde_json::json!({
-            "url": url,
-            // ByteString serializes as base64, as caBundle is written.
-            "caBundle": k8s_openapi::ByteString(ca.to_vec()),
-        });
-    }
-    serde_json::to_string(&config).unwrap()
+    apply(cluster, &String::from_utf8_lossy(&yaml.stdout));
+}
+
+/// The glue with the webhook on a free port (the migration users the shipped default, the
+/// test's admin the controller), and the webhook configuration pointing at it: its base URL.
+fn glue_with_webhook(cluster: &KubeCluster, client: kube::Client, ca: &[u8]) -> (Glue, String) {
+    use controller_shim::kube::webhook::WebhookSettings;
+    let port = testkit::free_port().unwrap();
+    let glue = Glue::start(
+        client,
+        Settings {
+            webhook: Some(WebhookSettings {
+                listen: ([127, 0, 0, 1], port).into(),
+                cert_secret: "webhook-tls".into(),
+                migration_users: vec!["system:serviceaccount:d8-virtualization:*".into()],
+                // The glue writes with the test's admin user.
+                controller_user: "admin".into(),
+            }),
+            ..test_settings()
+        },
+    );
+    let base = format!("https://127.0.0.1:{port}");
+    apply(cluster, &webhook_configuration(&base, ca));
+    (glue, base)
 }
 
 /// `kubectl create -f -` of `yaml` as `user` (with admin rights, so only the webhook can
@@ -80,47 +131,11 @@ fn claim_yaml(name: &str, class: &str, mode: &str, volume_mode: &str) -> String 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "kube: needs the test API server (tests/kube/run)"]
 async fn the_webhook_refuses_what_the_guide_forbids_over_tls_with_a_renewed_certificate() {
-    use controller_shim::kube::webhook::WebhookSettings;
     let cluster = cluster_with_namespace();
     let (ca, crt, key, _pki) = make_certificate("first");
-    let put_tls = |crt: &str, key: &str| {
-        let yaml = cluster
-            .kubectl(&[
-                "create",
-                "secret",
-                "tls",
-                "webhook-tls",
-                "-n",
-                "d8-csi-mind-ustor",
-                "--cert",
-                crt,
-                "--key",
-                key,
-                "--dry-run=client",
-                "-o",
-                "yaml",
-            ])
-            .unwrap();
-        apply(&cluster, &String::from_utf8_lossy(&yaml.stdout));
-    };
-    put_tls(&crt, &key);
-    let port = testkit::free_port().unwrap();
+    put_tls(&cluster, &crt, &key);
     let client = client(&cluster).await;
-    let _glue = Glue::start(
-        client.clone(),
-        Settings {
-            webhook: Some(WebhookSettings {
-                listen: ([127, 0, 0, 1], port).into(),
-                cert_secret: "webhook-tls".into(),
-                migration_users: vec!["system:serviceaccount:d8-virtualization:*".into()],
-                // The glue writes with the test's admin user.
-                controller_user: "admin".into(),
-            }),
-            ..test_settings()
-        },
-    );
-    let url = format!("https://127.0.0.1:{port}/validate");
-    apply(&cluster, &webhook_configuration(&url, &ca));
+    let (_glue, url) = glue_with_webhook(&cluster, client.clone(), &ca);
     apply(&cluster, &connection_yaml("main"));
     let classes: Api<MindUstorStorageClass> = Api::all(client.clone());
     create_class(&classes, "fast", "main").await;
@@ -205,6 +220,21 @@ async fn the_webhook_refuses_what_the_guide_forbids_over_tls_with_a_renewed_cert
         ),
         None
     );
+    // What it admits for our StorageClasses it stamps; claims of other storage it leaves.
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), "default");
+    for (name, stamped) in [
+        ("rwo-fs", true),
+        ("rwx-block-vm", true),
+        ("elsewhere", false),
+    ] {
+        let claim = claims.get(name).await.unwrap();
+        let annotations = claim.metadata.annotations.unwrap_or_default();
+        assert_eq!(
+            annotations.contains_key(stamp::ANNOTATION),
+            stamped,
+            "{name}: {annotations:?}"
+        );
+    }
 
     // The fixed fields stay fixed; metadata does not.
     let err = merge_patch(
@@ -238,7 +268,7 @@ async fn the_webhook_refuses_what_the_guide_forbids_over_tls_with_a_renewed_cert
 
     // A renewed certificate from another CA is served without a restart.
     let (ca2, crt2, key2, _pki2) = make_certificate("second");
-    put_tls(&crt2, &key2);
+    put_tls(&cluster, &crt2, &key2);
     apply(&cluster, &webhook_configuration(&url, &ca2));
     // (The resources' webhook fails closed: until the new certificate is served, the change
     // is refused for a TLS error instead.)

@@ -1,7 +1,7 @@
 //! The controller's secret key: the Secret `csi-controller-key` (key `key`, 32 random bytes)
 //! in the driver's namespace, made by the first replica that finds none and followed by every
-//! replica. It signs the admission webhook's stamps on claims, so only a claim the webhook
-//! admitted carries a valid one. Deleting the Secret makes a new key: the
+//! replica. It signs the admission webhook's stamps on claims ([`super::stamp`]), so only a
+//! claim the webhook admitted carries a valid one. Deleting the Secret makes a new key: the
 //! stamps made with the old one no longer count.
 
 use std::fmt;

@@ -1,8 +1,9 @@
 //! The Kubernetes glue: the custom resources an operator writes ([`crd`]), the StorageClasses
-//! they own ([`storage_class`]), the VolumeSnapshotClass ([`snapshot_class`]) and the node
-//! list ControllerPublishVolume checks ([`nodes`]) and the controller's own key ([`key`]).
-//! Every loop survives the API server going away and coming back: watches re-list with
-//! back-off, reconcilers retry.
+//! they own ([`storage_class`]), the VolumeSnapshotClass ([`snapshot_class`]), the node
+//! list ControllerPublishVolume checks ([`nodes`]), and the admission webhook ([`webhook`])
+//! with its stamps on claims ([`stamp`]), signed with the controller's key ([`key`]). Every
+//! loop survives the API server going away and coming back: watches re-list with back-off,
+//! reconcilers retry.
 
 pub mod connection;
 pub mod crd;
@@ -11,6 +12,7 @@ pub mod leader;
 pub mod metrics;
 pub mod nodes;
 pub mod snapshot_class;
+pub mod stamp;
 pub mod storage_class;
 pub mod webhook;
 
@@ -148,10 +150,11 @@ impl Glue {
         )));
         if let Some(hook) = settings.webhook.clone() {
             let (client, namespace) = (client.clone(), settings.namespace.clone());
+            let key = key.clone();
             tasks.push(tokio::spawn(async move {
                 let listen = hook.listen;
                 let served = match tokio::net::TcpListener::bind(listen).await {
-                    Ok(listener) => webhook::serve(listener, client, namespace, hook).await,
+                    Ok(listener) => webhook::serve(listener, client, namespace, hook, key).await,
                     Err(e) => Err(e),
                 };
                 if let Err(e) = served {

@@ -2,6 +2,12 @@
 //! take only the guide's access modes, our StorageClasses are written only by the
 //! controller, and the fields the guide calls fixed stay fixed. The decisions are in
 //! [`rules`]; this module reads the request, finds what it needs, and answers.
+//!
+//! Claims come to `/mutate` (a mutating webhook, on CREATE and UPDATE): each one admitted for
+//! our StorageClasses is stamped ([`super::stamp`]), and CreateVolume of a ReadWriteMany block
+//! volume requires that stamp, so a claim that got past the webhook (down, failing open, or
+//! its StorageClass not there yet) is refused at provisioning. Everything else comes to
+//! `/validate`.
 
 pub mod rules;
 pub mod tls;
@@ -12,14 +18,18 @@ use std::sync::Arc;
 use axum::extract::State;
 use axum::routing::post;
 use axum::{Json, Router};
+use json_patch::jsonptr::PointerBuf;
+use json_patch::{AddOperation, Patch, PatchOperation};
 use k8s_openapi::api::core::v1::PersistentVolumeClaim;
 use k8s_openapi::api::storage::v1::StorageClass;
-use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview};
+use kube::core::admission::{AdmissionRequest, AdmissionResponse, AdmissionReview, Operation};
 use kube::core::DynamicObject;
 use kube::{Api, Client};
 use serde::de::DeserializeOwned;
 
 use super::crd::{MindUstorStorageClass, MindUstorStorageConnection};
+use super::key::ControllerKey;
+use super::stamp;
 
 #[derive(Debug, Clone)]
 pub struct WebhookSettings {
@@ -35,6 +45,8 @@ pub struct WebhookSettings {
 struct Shared {
     client: Client,
     settings: WebhookSettings,
+    /// Signs the stamps of admitted claims.
+    key: ControllerKey,
 }
 
 /// Serves the webhook on `listener` until aborted.
@@ -43,6 +55,7 @@ pub async fn serve(
     client: Client,
     namespace: String,
     settings: WebhookSettings,
+    key: ControllerKey,
 ) -> std::io::Result<()> {
     let slot = Arc::new(tls::CertSlot::default());
     let follow = tokio::spawn(tls::follow_secret(
@@ -62,7 +75,12 @@ pub async fn serve(
     let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
     let app = Router::new()
         .route("/validate", post(validate))
-        .with_state(Arc::new(Shared { client, settings }));
+        .route("/mutate", post(mutate))
+        .with_state(Arc::new(Shared {
+            client,
+            settings,
+            key,
+        }));
     tracing::info!(addr = ?listener.local_addr().ok(), "serving the admission webhook");
     let result = loop {
         let (tcp, peer) = match listener.accept().await {
@@ -91,10 +109,55 @@ pub async fn serve(
     result
 }
 
+/// What the webhook answers a request.
+#[derive(Debug, Clone, PartialEq)]
+enum Answer {
+    Allow,
+    /// Allowed, with the claim's stamp set to this.
+    Stamp(String),
+    /// Allowed as it is, telling the client why it is not stamped.
+    Warn(String),
+    Deny(String),
+}
+
+impl From<Result<(), String>> for Answer {
+    fn from(verdict: Result<(), String>) -> Self {
+        verdict.map_or_else(Answer::Deny, |()| Answer::Allow)
+    }
+}
+
 async fn validate(
     State(shared): State<Arc<Shared>>,
     Json(review): Json<AdmissionReview<DynamicObject>>,
 ) -> Json<AdmissionReview<DynamicObject>> {
+    answer(review, |request| async move {
+        decide(&shared, &request).await.into()
+    })
+    .await
+}
+
+async fn mutate(
+    State(shared): State<Arc<Shared>>,
+    Json(review): Json<AdmissionReview<DynamicObject>>,
+) -> Json<AdmissionReview<DynamicObject>> {
+    answer(review, |request| async move {
+        match request.kind.kind.as_str() {
+            "PersistentVolumeClaim" => admit_claim(&shared, &request).await,
+            _ => Answer::Allow,
+        }
+    })
+    .await
+}
+
+/// The review's answer as `decide` has it.
+async fn answer<F, Fut>(
+    review: AdmissionReview<DynamicObject>,
+    decide: F,
+) -> Json<AdmissionReview<DynamicObject>>
+where
+    F: FnOnce(Arc<AdmissionRequest<DynamicObject>>) -> Fut,
+    Fut: std::future::Future<Output = Answer>,
+{
     let request: AdmissionRequest<DynamicObject> = match review.try_into() {
         Ok(r) => r,
         Err(e) => {
@@ -102,20 +165,113 @@ async fn validate(
             return Json(AdmissionResponse::invalid(e.to_string()).into_review());
         }
     };
-    let response = AdmissionResponse::from(&request);
-    let verdict = decide(&shared, &request).await;
+    let request = Arc::new(request);
+    let mut response = AdmissionResponse::from(&*request);
+    let verdict = decide(Arc::clone(&request)).await;
     let kind = request.kind.kind.as_str();
     let name = request.name.as_str();
+    let user = request.user_info.username.as_deref().unwrap_or("");
     Json(
         match verdict {
-            Ok(()) => response,
-            Err(why) => {
-                tracing::info!(kind, name, user = %request.user_info.username.as_deref().unwrap_or(""), %why, "admission denied");
+            Answer::Allow => response,
+            Answer::Stamp(stamp) => {
+                let object = request.object.as_ref();
+                match response.clone().with_patch(stamp_patch(object, stamp)) {
+                    Ok(patched) => {
+                        tracing::info!(kind, name, user, "admitted and stamped");
+                        patched
+                    }
+                    Err(e) => {
+                        tracing::error!(kind, name, error = %e, "the stamp patch; admitted without it");
+                        response
+                    }
+                }
+            }
+            Answer::Warn(why) => {
+                tracing::warn!(kind, name, user, %why, "admitted without a stamp");
+                response.warnings = Some(vec![why]);
+                response
+            }
+            Answer::Deny(why) => {
+                tracing::info!(kind, name, user, %why, "admission denied");
                 response.deny(why)
             }
         }
         .into_review(),
     )
+}
+
+/// The JSON patch that sets the stamp annotation of `object` to `stamp`.
+fn stamp_patch(object: Option<&DynamicObject>, stamp: String) -> Patch {
+    let has_annotations = object.is_some_and(|o| o.metadata.annotations.is_some());
+    let (path, value) = if has_annotations {
+        (
+            PointerBuf::from_tokens(["metadata", "annotations", stamp::ANNOTATION]),
+            serde_json::Value::String(stamp),
+        )
+    } else {
+        (
+            PointerBuf::from_tokens(["metadata", "annotations"]),
+            serde_json::json!({ stamp::ANNOTATION: stamp }),
+        )
+    };
+    Patch(vec![PatchOperation::Add(AddOperation { path, value })])
+}
+
+/// A claim's CREATE or UPDATE: the rules' verdict, and the stamp for a claim of ours they
+/// allow.
+async fn admit_claim(shared: &Shared, request: &AdmissionRequest<DynamicObject>) -> Answer {
+    let claim: PersistentVolumeClaim = match typed(request.object.as_ref()) {
+        Ok(claim) => claim,
+        Err(why) => return Answer::Deny(why),
+    };
+    let class = storage_class(&claim);
+    match class_of(&shared.client, &class).await {
+        Class::Ours => {}
+        Class::Other => return Answer::Allow,
+        Class::Unknown(why) => {
+            return Answer::Warn(format!(
+                "{}: StorageClass {class} could not be read ({why}), so the claim is not admitted for it: \
+                 a ReadWriteMany block volume of it will be refused; update the claim to have it reviewed",
+                csi_common::DRIVER_NAME
+            ))
+        }
+    }
+    let user = request.user_info.username.clone().unwrap_or_default();
+    let migration = &shared.settings.migration_users;
+    let allowed = match (&request.operation, request.old_object.as_ref()) {
+        (Operation::Create, _) => rules::review_claim(&claim, &user, migration).map(|()| true),
+        (Operation::Update, Some(old)) => match typed::<PersistentVolumeClaim>(Some(old)) {
+            Ok(old) => rules::review_claim_update(&old, &claim, &user, migration),
+            Err(why) => Err(why),
+        },
+        _ => Ok(false),
+    };
+    match allowed {
+        Err(why) => Answer::Deny(why),
+        Ok(false) => Answer::Allow,
+        Ok(true) => {
+            let namespace = request
+                .namespace
+                .clone()
+                .or_else(|| claim.metadata.namespace.clone())
+                .unwrap_or_default();
+            let current = claim
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(stamp::ANNOTATION));
+            match stamp::stamp(&shared.key, &namespace, &claim) {
+                Some(s) if current == Some(&s) => Answer::Allow,
+                Some(s) => Answer::Stamp(s),
+                None => Answer::Warn(format!(
+                    "{}: the controller's key is not loaded yet, so the claim is admitted without its stamp: \
+                     a ReadWriteMany block volume of it will be refused until the claim is updated",
+                    csi_common::DRIVER_NAME
+                )),
+            }
+        }
+    }
 }
 
 /// The object of a request as the type its kind names.
@@ -129,17 +285,14 @@ async fn decide(shared: &Shared, request: &AdmissionRequest<DynamicObject>) -> R
     let user = request.user_info.username.clone().unwrap_or_default();
     let settings = &shared.settings;
     match request.kind.kind.as_str() {
+        // A configuration that still sends claims here (before its upgrade to /mutate):
+        // judged, not stamped.
         "PersistentVolumeClaim" => {
             let claim: PersistentVolumeClaim = typed(request.object.as_ref())?;
-            let class = claim
-                .spec
-                .as_ref()
-                .and_then(|s| s.storage_class_name.clone())
-                .unwrap_or_default();
-            if class.is_empty() || !ours(&shared.client, &class).await {
-                return Ok(());
+            match class_of(&shared.client, &storage_class(&claim)).await {
+                Class::Ours => rules::review_claim(&claim, &user, &settings.migration_users),
+                Class::Other | Class::Unknown(_) => Ok(()),
             }
-            rules::review_claim(&claim, &user, &settings.migration_users)
         }
         "StorageClass" => {
             let class: StorageClass = typed(request.object.as_ref())?;
@@ -159,15 +312,49 @@ async fn decide(shared: &Shared, request: &AdmissionRequest<DynamicObject>) -> R
     }
 }
 
-/// Whether StorageClass `name` is this driver's. When the API cannot tell, the claim is let
-/// through: CreateVolume applies the same rules.
-async fn ours(client: &Client, name: &str) -> bool {
-    let classes: Api<StorageClass> = Api::all(client.clone());
-    match classes.get_opt(name).await {
-        Ok(class) => class.is_some_and(|c| c.provisioner == csi_common::DRIVER_NAME),
-        Err(e) => {
-            tracing::warn!(class = name, error = %e, "admission: StorageClass lookup failed; allowing");
-            false
-        }
+/// The StorageClass a claim names (empty when none).
+fn storage_class(claim: &PersistentVolumeClaim) -> String {
+    claim
+        .spec
+        .as_ref()
+        .and_then(|s| s.storage_class_name.clone())
+        .unwrap_or_default()
+}
+
+/// Whose a claim's StorageClass is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Class {
+    /// This driver's, or to be: a MindUstorStorageClass of that name exists, whose
+    /// StorageClass the controller is about to make.
+    Ours,
+    /// Another driver's, none, or one nobody defined.
+    Other,
+    /// The API could not tell.
+    Unknown(String),
+}
+
+async fn class_of(client: &Client, name: &str) -> Class {
+    if name.is_empty() {
+        return Class::Other;
     }
+    let classes: Api<StorageClass> = Api::all(client.clone());
+    let result = match classes.get_opt(name).await {
+        Ok(Some(class)) if class.provisioner == csi_common::DRIVER_NAME => Ok(Class::Ours),
+        Ok(Some(_)) => Ok(Class::Other),
+        Ok(None) => Api::<MindUstorStorageClass>::all(client.clone())
+            .get_opt(name)
+            .await
+            .map(|c| {
+                if c.is_some() {
+                    Class::Ours
+                } else {
+                    Class::Other
+                }
+            }),
+        Err(e) => Err(e),
+    };
+    result.unwrap_or_else(|e| {
+        tracing::warn!(class = name, error = %e, "admission: StorageClass lookup failed");
+        Class::Unknown(e.to_string())
+    })
 }

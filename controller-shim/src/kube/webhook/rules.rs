@@ -68,6 +68,38 @@ pub fn review_claim(
     Ok(())
 }
 
+/// What the claim rules judge: the StorageClass, the volume mode, the access modes.
+fn judged(claim: &PersistentVolumeClaim) -> (Option<String>, String, Vec<String>) {
+    let spec = claim.spec.clone().unwrap_or_default();
+    let mut modes = spec.access_modes.unwrap_or_default();
+    modes.sort();
+    modes.dedup();
+    (
+        spec.storage_class_name,
+        spec.volume_mode.unwrap_or_else(|| "Filesystem".into()),
+        modes,
+    )
+}
+
+/// An update by `user` of a claim that is (now) of one of our StorageClasses: `Ok(true)` when
+/// `user` may have the claim as it is (it is stamped again), `Ok(false)` when the update passes
+/// but gives no stamp. An update that changes what the rules judge (a claim given our
+/// StorageClass) is reviewed as a new claim; any other (metadata, finalizers, a resize, the
+/// binding) passes whoever writes it, so the controllers that keep a claim are never stopped,
+/// and keeps the stamp the claim has, which proves what the webhook admitted before.
+pub fn review_claim_update(
+    old: &PersistentVolumeClaim,
+    new: &PersistentVolumeClaim,
+    user: &str,
+    migration_users: &[String],
+) -> Result<bool, String> {
+    match review_claim(new, user, migration_users) {
+        Ok(()) => Ok(true),
+        Err(why) if judged(old) != judged(new) => Err(why),
+        Err(_) => Ok(false),
+    }
+}
+
 /// A StorageClass write by `user`: ours are made by the controller from a
 /// MindUstorStorageClass, by nobody else.
 pub fn review_storage_class(
@@ -165,6 +197,47 @@ mod tests {
         assert!(review_claim(&claim(&["ReadWriteMany"], true), VIRT, &migration()).is_ok());
         // Filesystem RWX is refused for the virtualization module too.
         assert!(review_claim(&claim(&["ReadWriteMany"], false), VIRT, &migration()).is_err());
+    }
+
+    #[test]
+    fn an_update_is_judged_only_when_it_changes_what_the_rules_judge() {
+        let user = "alice";
+        let rwx_block = claim(&["ReadWriteMany"], true);
+        // The virtualization module's update stamps its claim; nobody else's does, and
+        // nobody else's is stopped.
+        assert_eq!(
+            review_claim_update(&rwx_block, &rwx_block, VIRT, &migration()),
+            Ok(true)
+        );
+        assert_eq!(
+            review_claim_update(&rwx_block, &rwx_block, user, &migration()),
+            Ok(false)
+        );
+        assert_eq!(
+            review_claim_update(
+                &rwx_block,
+                &rwx_block,
+                "system:kube-controller-manager",
+                &migration()
+            ),
+            Ok(false)
+        );
+        // A claim given one of our StorageClasses by an update is reviewed as a new one.
+        let mut unclassed = rwx_block.clone();
+        if let Some(spec) = unclassed.spec.as_mut() {
+            spec.storage_class_name = None;
+        }
+        let mut classed = rwx_block.clone();
+        if let Some(spec) = classed.spec.as_mut() {
+            spec.storage_class_name = Some("fast".into());
+        }
+        let err = review_claim_update(&unclassed, &classed, user, &migration()).unwrap_err();
+        assert!(err.contains("virtualization module"), "{err}");
+        let rwo = claim(&["ReadWriteOnce"], false);
+        assert_eq!(
+            review_claim_update(&rwo, &rwo, user, &migration()),
+            Ok(true)
+        );
     }
 
     #[test]
