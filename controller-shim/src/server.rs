@@ -23,7 +23,7 @@ use crate::backend::Backend;
 use crate::exports::ExportServer;
 use crate::kube::Glue;
 use crate::metrics::{ControllerMetrics, LoginStates};
-use crate::provision::{Nodes, Provisioner};
+use crate::provision::{Cluster, Provisioner};
 use crate::service::controller::ControllerService;
 use crate::service::identity::IdentityService;
 
@@ -140,9 +140,7 @@ pub async fn run(settings: Settings) -> Result<(), StartError> {
         ),
         None => None,
     };
-    let nodes = glue
-        .as_ref()
-        .map(|g| Arc::new(g.nodes.clone()) as Arc<dyn Nodes>);
+    let cluster = glue.as_ref().map(Glue::cluster);
     if let Some(glue) = &glue {
         let directory = glue.connections.clone();
         figures = figures
@@ -155,7 +153,7 @@ pub async fn run(settings: Settings) -> Result<(), StartError> {
         settings.cluster_id,
         metrics,
         figures,
-        nodes,
+        cluster,
         stop,
     )
     .await;
@@ -244,14 +242,14 @@ fn open_backend(
 
 /// Serves Identity and Controller on `socket` until `stop` resolves, and `/metrics` on
 /// `metrics` when a listener is given (bound by the caller, so a bad address fails the
-/// start).
+/// start); `cluster` is what the Kubernetes glue checks calls against.
 pub async fn serve(
     socket: &Path,
     backend: Arc<dyn Backend>,
     cluster_id: String,
     metrics_listener: Option<tokio::net::TcpListener>,
     metrics: ControllerMetrics,
-    nodes: Option<Arc<dyn Nodes>>,
+    cluster: Option<Cluster>,
     stop: impl std::future::Future<Output = ()>,
 ) -> Result<(), StartError> {
     let listener = csi_common::socket::bind(socket).map_err(StartError::Socket)?;
@@ -267,8 +265,8 @@ pub async fn serve(
         })
     });
     let provisioner = Provisioner::new(backend, cluster_id);
-    let provisioner = match nodes {
-        Some(nodes) => provisioner.with_nodes(nodes),
+    let provisioner = match cluster {
+        Some(cluster) => provisioner.in_cluster(cluster),
         None => provisioner,
     };
     tonic::transport::Server::builder()

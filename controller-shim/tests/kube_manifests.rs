@@ -102,7 +102,7 @@ async fn every_manifest_applies_and_the_controller_needs_no_more_than_its_roles(
         reason_has(s, "Secret d8-csi-mind-ustor/creds")
     })
     .await;
-    // It makes its key.
+    // It makes its key, and reads the claim of a ReadWriteMany block volume.
     let secrets: Api<k8s_openapi::api::core::v1::Secret> =
         Api::namespaced(admin.clone(), "d8-csi-mind-ustor");
     eventually(
@@ -117,6 +117,18 @@ async fn every_manifest_applies_and_the_controller_needs_no_more_than_its_roles(
         },
     )
     .await;
+    apply(
+        &cluster,
+        "apiVersion: v1\nkind: PersistentVolumeClaim\nmetadata:\n  name: unstamped\n  namespace: default\n\
+         spec:\n  storageClassName: granted\n  accessModes: [ReadWriteMany]\n  volumeMode: Block\n\
+         \x20 resources:\n    requests:\n      storage: 1Gi\n",
+    );
+    use controller_shim::provision::{ClaimError, Claims};
+    let read = glue.claims.admitted("default", "unstamped").await;
+    assert!(
+        matches!(read, Err(ClaimError::NotAdmitted { .. })),
+        "the claim read with the granted rights: {read:?}"
+    );
     // The alerts' metrics exist and say what the resources' phases say.
     let text = controller_shim::metrics::ControllerMetrics::default()
         .with_collector(glue.phases.clone())

@@ -1,5 +1,5 @@
 //! The Kubernetes glue against a real kube-apiserver and kube-controller-manager (Kubernetes
-//! 1.20, built by tests/kube/build-apiserver), started by each test: the admission webhook: what the guide forbids is refused, over TLS with a renewed certificate.
+//! 1.20, built by tests/kube/build-apiserver), started by each test: the admission webhook: what the guide forbids is refused, over TLS with a renewed certificate; claims it admits are stamped, and a ReadWriteMany block volume is made for a stamped claim only.
 //! Ignored in a plain `cargo test`; `tests/kube/run` runs them.
 
 #![allow(clippy::unwrap_used)] // a test fails by panicking
@@ -8,13 +8,20 @@ mod common;
 
 use controller_shim::kube::crd::MindUstorStorageConnection;
 use controller_shim::kube::crd::{MindUstorStorageClass, Phase};
+use controller_shim::kube::key::KEY_SECRET;
 use controller_shim::kube::stamp;
 use controller_shim::kube::{Glue, Settings};
-use k8s_openapi::api::core::v1::PersistentVolumeClaim;
+use controller_shim::provision::claims::{CLAIM_NAME, CLAIM_NAMESPACE};
+use csi_proto::csi::volume_capability::access_mode::Mode;
+use csi_proto::csi::CreateVolumeRequest;
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Secret};
 use kube::api::Api;
+use std::sync::Arc;
 use std::time::Duration;
+use testkit::csi::{block_capability, create_volume_request, created_volume};
 use testkit::kube_cluster::KubeCluster;
 use testkit::tls::TestPki;
+use tonic::Code;
 
 use common::*;
 
@@ -283,4 +290,204 @@ async fn the_webhook_refuses_what_the_guide_forbids_over_tls_with_a_renewed_cert
         },
     )
     .await;
+}
+
+/// The admission stamp of claim `default/name`, if it has one.
+async fn stamp_of(claims: &Api<PersistentVolumeClaim>, name: &str) -> Option<String> {
+    claims
+        .get(name)
+        .await
+        .unwrap()
+        .metadata
+        .annotations?
+        .get(stamp::ANNOTATION)
+        .cloned()
+}
+
+/// CreateVolume of a ReadWriteMany block volume for claim `default/claim`, as
+/// external-provisioner with --extra-create-metadata sends it.
+fn rwx_block_for(claim: &str) -> CreateVolumeRequest {
+    let mut request = create_volume_request(
+        &format!("pvc-{claim}"),
+        1 << 20,
+        block_capability(Mode::MultiNodeMultiWriter),
+    );
+    request.parameters.extend([
+        (CLAIM_NAMESPACE.to_owned(), "default".to_owned()),
+        (CLAIM_NAME.to_owned(), claim.to_owned()),
+    ]);
+    request
+}
+
+/// Every way past the webhook ends at CreateVolume: a ReadWriteMany block volume is made
+/// only for a claim the webhook stamped, for what the claim is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "kube: needs the test API server (tests/kube/run)"]
+async fn a_read_write_many_block_volume_is_made_only_for_a_claim_the_webhook_admitted() {
+    use controller_shim::backend::local::LocalBackend;
+    let cluster = cluster_with_namespace();
+    let (ca, crt, key, _pki) = make_certificate("stamps");
+    put_tls(&cluster, &crt, &key);
+    let client = client(&cluster).await;
+    let (glue, base) = glue_with_webhook(&cluster, client.clone(), &ca);
+    apply(&cluster, &connection_yaml("main"));
+    let classes: Api<MindUstorStorageClass> = Api::all(client.clone());
+    create_class(&classes, "fast", "main").await;
+    wait_phase(&classes, "fast", Phase::Created).await;
+    // The controller made its key.
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), "d8-csi-mind-ustor");
+    eventually("the controller key", Duration::from_secs(30), || async {
+        secrets.get_opt(KEY_SECRET).await.ok().flatten()
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let backend = LocalBackend::open(&dir.path().join("store"), "127.0.0.1:10809").unwrap();
+    let (mut csi, server) = serve_csi(Arc::new(backend), &glue, dir.path()).await;
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), "default");
+    let virt = "system:serviceaccount:d8-virtualization:virtualization-controller";
+
+    // The virtualization module's claim is stamped, and gets its volume.
+    let vm_disk = claim_yaml("vm-disk", "fast", "ReadWriteMany", "Block");
+    eventually("the webhook answers", Duration::from_secs(30), || async {
+        create_as(
+            &cluster,
+            "alice",
+            &claim_yaml("probe", "fast", "ReadWriteMany", "Block"),
+        )
+        .filter(|e| e.contains("virtualization module"))
+    })
+    .await;
+    assert_eq!(create_as(&cluster, virt, &vm_disk), None);
+    let vm_stamp = stamp_of(&claims, "vm-disk").await.expect("vm-disk stamped");
+    created_volume(&mut csi, rwx_block_for("vm-disk")).await;
+    // Another user's claim is stamped too (the 1.20 API server knows no ReadWriteOncePod).
+    assert_eq!(
+        create_as(
+            &cluster,
+            "alice",
+            &claim_yaml("pod-fs", "fast", "ReadWriteOnce", "Filesystem")
+        ),
+        None
+    );
+    assert!(stamp_of(&claims, "pod-fs").await.is_some());
+
+    let checker = csi.clone();
+    let refused = |claim: &'static str, says: &'static str| {
+        let mut csi = checker.clone();
+        async move {
+            let err = csi.create_volume(rwx_block_for(claim)).await.unwrap_err();
+            assert_eq!(err.code(), Code::FailedPrecondition, "{claim}: {err:?}");
+            assert!(err.message().contains(says), "{claim}: {}", err.message());
+        }
+    };
+
+    // The webhook down (it fails open): alice's claims get through, unstamped or with a
+    // stamp copied from the virtualization module's claim, and get no volume.
+    let dead = format!("https://127.0.0.1:{}", testkit::free_port().unwrap());
+    apply(&cluster, &webhook_configuration(&dead, &ca));
+    eventually("the webhook bypassed", Duration::from_secs(30), || async {
+        create_as(
+            &cluster,
+            "alice",
+            &claim_yaml("sneaky", "fast", "ReadWriteMany", "Block"),
+        )
+        .is_none()
+        .then_some(())
+    })
+    .await;
+    assert_eq!(stamp_of(&claims, "sneaky").await, None);
+    let copied = claim_yaml("copycat", "fast", "ReadWriteMany", "Block").replace(
+        "  namespace: default\n",
+        &format!(
+            "  namespace: default\n  annotations:\n    {}: {vm_stamp}\n",
+            stamp::ANNOTATION
+        ),
+    );
+    assert_eq!(create_as(&cluster, "alice", &copied), None);
+    apply(&cluster, &webhook_configuration(&base, &ca));
+    refused("sneaky", "was not admitted").await;
+    refused("copycat", "is not this claim's").await;
+
+    // A claim made before its StorageClass existed was not reviewed: no volume either.
+    assert_eq!(
+        create_as(
+            &cluster,
+            "alice",
+            &claim_yaml("early", "later", "ReadWriteMany", "Block")
+        ),
+        None
+    );
+    create_class(&classes, "later", "main").await;
+    wait_phase(&classes, "later", Phase::Created).await;
+    refused("early", "was not admitted").await;
+    // A MindUstorStorageClass whose StorageClass is not made yet is ours already.
+    create_class(&classes, "stranded", "nowhere").await;
+    wait_phase(&classes, "stranded", Phase::Failed).await;
+    let err = create_as(
+        &cluster,
+        "alice",
+        &claim_yaml("waiting", "stranded", "ReadWriteMany", "Block"),
+    )
+    .expect("refused before its StorageClass exists");
+    assert!(err.contains("virtualization module"), "{err}");
+
+    // Updates are reviewed: alice's leave the claim unstamped (and are not stopped), the
+    // virtualization module's stamp it, and then it gets its volume.
+    let touch = |user: &str, claim: &str, n: u32| {
+        cluster
+            .kubectl(&[
+                "annotate",
+                "--overwrite",
+                "--as",
+                user,
+                "--as-group",
+                "system:masters",
+                "-n",
+                "default",
+                &format!("pvc/{claim}"),
+                &format!("touched={n}"),
+            ])
+            .unwrap()
+    };
+    assert!(touch("alice", "sneaky", 1).status.success());
+    assert_eq!(stamp_of(&claims, "sneaky").await, None);
+    refused("sneaky", "was not admitted").await;
+    assert!(touch(virt, "sneaky", 2).status.success());
+    assert!(
+        stamp_of(&claims, "sneaky").await.is_some(),
+        "stamped on update"
+    );
+    created_volume(&mut csi, rwx_block_for("sneaky")).await;
+    // A stamp removed by an update of alice's stays removed.
+    let out = cluster
+        .kubectl(&[
+            "annotate",
+            "--as",
+            "alice",
+            "--as-group",
+            "system:masters",
+            "-n",
+            "default",
+            "pvc/vm-disk",
+            &format!("{}-", stamp::ANNOTATION),
+        ])
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    refused("vm-disk", "was not admitted").await;
+
+    // Without --extra-create-metadata there is no claim to check.
+    let mut unnamed = rwx_block_for("vm-disk");
+    unnamed.parameters.clear();
+    let err = csi.create_volume(unnamed).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition);
+    assert!(
+        err.message().contains("--extra-create-metadata"),
+        "{}",
+        err.message()
+    );
+    server.abort();
 }

@@ -1,10 +1,11 @@
 //! The Kubernetes glue: the custom resources an operator writes ([`crd`]), the StorageClasses
 //! they own ([`storage_class`]), the VolumeSnapshotClass ([`snapshot_class`]), the node
-//! list ControllerPublishVolume checks ([`nodes`]), and the admission webhook ([`webhook`])
-//! with its stamps on claims ([`stamp`]), signed with the controller's key ([`key`]). Every
-//! loop survives the API server going away and coming back: watches re-list with back-off,
-//! reconcilers retry.
+//! list ControllerPublishVolume checks ([`nodes`]), the admission webhook ([`webhook`]) and
+//! its stamps on claims ([`stamp`]) that CreateVolume checks ([`claims`]), signed with the
+//! controller's key ([`key`]). Every loop survives the API server going away and coming
+//! back: watches re-list with back-off, reconcilers retry.
 
+pub mod claims;
 pub mod connection;
 pub mod crd;
 pub mod key;
@@ -117,6 +118,8 @@ pub struct Glue {
     pub connections: connection::Directory,
     /// The resources' phases, for Prometheus.
     pub phases: metrics::Phases,
+    /// The claims of ReadWriteMany block volumes, for CreateVolume.
+    pub claims: claims::AdmittedClaims,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
@@ -174,6 +177,10 @@ impl Glue {
             field_manager,
         });
         let (nodes, node_watch) = nodes::CsiNodes::start(client.clone());
+        let claims = claims::AdmittedClaims {
+            client: client.clone(),
+            key,
+        };
         let connection_controller = Controller::new(
             Api::<MindUstorStorageConnection>::all(client.clone()),
             watcher::Config::default(),
@@ -202,11 +209,20 @@ impl Glue {
         Self {
             nodes,
             phases,
+            claims,
             connections: directory,
             tasks: {
                 tasks.extend([node_watch, connections, classes, snapshots]);
                 tasks
             },
+        }
+    }
+
+    /// What the CSI controller checks against: the nodes, the claims.
+    pub fn cluster(&self) -> crate::provision::Cluster {
+        crate::provision::Cluster {
+            nodes: Arc::new(self.nodes.clone()),
+            claims: Arc::new(self.claims.clone()),
         }
     }
 }

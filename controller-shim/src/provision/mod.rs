@@ -5,8 +5,10 @@
 //!
 //! - [`volumes`]: create, delete, expand, validate capabilities, capacity;
 //! - [`publish`]: ControllerPublish/Unpublish bookkeeping and the node check;
-//! - [`snapshots`]: create, delete, list.
+//! - [`snapshots`]: create, delete, list;
+//! - [`claims`]: the claim check of a ReadWriteMany block volume.
 
+pub mod claims;
 pub mod publish;
 pub mod snapshots;
 pub mod volumes;
@@ -20,6 +22,7 @@ use csi_proto::csi::{Snapshot, Topology, Volume, VolumeContentSource};
 
 use crate::backend::{Backend, BackendError, SnapshotMeta, Source, VolumeMeta};
 use crate::ids::{Handle, IdError, Kind};
+pub use claims::{ClaimError, Claims};
 pub use publish::Nodes;
 pub use snapshots::SnapshotError;
 pub use volumes::VolumeError;
@@ -34,8 +37,18 @@ pub struct Provisioner {
     /// One mutating call per image at a time (`v:<key>` volumes, `s:<key>` snapshots): a
     /// long copy for a clone holds its own images, not every other call.
     images: KeyedLocks,
-    /// Known nodes, when running in Kubernetes; without it every node id is taken as given.
-    nodes: Option<Arc<dyn Nodes>>,
+    /// What the cluster says, when running in Kubernetes; without it every node id is taken
+    /// as given and no claim is checked.
+    cluster: Option<Cluster>,
+}
+
+/// What the Kubernetes glue knows that calls check against.
+#[derive(Debug, Clone)]
+pub struct Cluster {
+    /// The nodes ControllerPublishVolume may publish to.
+    pub nodes: Arc<dyn Nodes>,
+    /// The claims a ReadWriteMany block volume may be made for.
+    pub claims: Arc<dyn Claims>,
 }
 
 /// The lock key of a volume's image.
@@ -54,13 +67,14 @@ impl Provisioner {
             backend,
             cluster_id,
             images: KeyedLocks::default(),
-            nodes: None,
+            cluster: None,
         }
     }
 
-    /// Checks ControllerPublishVolume's node id against `nodes`.
-    pub fn with_nodes(mut self, nodes: Arc<dyn Nodes>) -> Self {
-        self.nodes = Some(nodes);
+    /// Checks ControllerPublishVolume's node id and the claims of ReadWriteMany block
+    /// volumes against `cluster`.
+    pub fn in_cluster(mut self, cluster: Cluster) -> Self {
+        self.cluster = Some(cluster);
         self
     }
 

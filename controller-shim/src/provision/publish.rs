@@ -17,7 +17,7 @@ pub trait Nodes: Send + Sync + std::fmt::Debug {
 
 impl Provisioner {
     fn require_node(&self, node_id: &str) -> Result<(), VolumeError> {
-        match self.nodes.as_ref().map(|n| n.has_node(node_id)) {
+        match self.cluster.as_ref().map(|c| c.nodes.has_node(node_id)) {
             None | Some(Some(true)) => Ok(()),
             Some(Some(false)) => Err(VolumeError::NodeUnknown {
                 node: node_id.to_owned(),

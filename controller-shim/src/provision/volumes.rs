@@ -47,6 +47,8 @@ impl Provisioner {
         let image = image_for(&self.cluster_id, &r.name)?;
         request::check_capabilities(&r.volume_capabilities)?;
         let parameters = request::parameters(&r.parameters)?;
+        self.require_admitted(&r.volume_capabilities, &r.parameters)
+            .await?;
         let image = self.backend.volume_key(&image, &parameters)?;
         let (source, minimum) = match r.volume_content_source.and_then(|s| s.r#type) {
             None => (None, 0),

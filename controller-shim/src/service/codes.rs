@@ -17,7 +17,7 @@ use crate::backend::ustor::login::Refusal;
 use crate::backend::BackendError;
 use crate::error::Error;
 use crate::ids::IdError;
-use crate::provision::{SnapshotError, VolumeError};
+use crate::provision::{ClaimError, SnapshotError, VolumeError};
 use crate::request::RequestError;
 
 /// The answer of `rpc` that failed with `error`: its code and the error's message.
@@ -32,6 +32,7 @@ pub fn code(rpc: Rpc, error: &Error) -> Code {
         Error::Backend(e) => backend_code(e),
         Error::Volume(e) => volume(e),
         Error::Snapshot(e) => snapshot(e),
+        Error::Claim(e) => claim(e),
     }
 }
 
@@ -101,6 +102,24 @@ fn snapshot(e: &SnapshotError) -> Code {
         SnapshotError::Missing { .. } => Code::NotFound,
         // Spec, CreateSnapshot: "Snapshot already exists but is incompatible".
         SnapshotError::Clash { .. } => Code::AlreadyExists,
+    }
+}
+
+/// The claim of a ReadWriteMany block volume. The spec names no code for a caller the
+/// driver does not serve; the request is valid (the capability is one the driver offers), and
+/// what it lacks is a state outside it: the claim's admission, which the webhook gives when a
+/// live-migration user writes the claim. That is FAILED_PRECONDITION ("the system is not in
+/// a state required for the operation"; INVALID_ARGUMENT is for arguments problematic
+/// whatever the state). external-provisioner retries it with back-off, so a claim admitted
+/// later is provisioned then.
+fn claim(e: &ClaimError) -> Code {
+    match e {
+        ClaimError::Unnamed
+        | ClaimError::Gone { .. }
+        | ClaimError::NotAdmitted { .. }
+        | ClaimError::StampMismatch { .. } => Code::FailedPrecondition,
+        // The API or the key Secret not read yet: retried by the sidecar.
+        ClaimError::Read { .. } | ClaimError::KeyNotLoaded { .. } => Code::Unavailable,
     }
 }
 

@@ -14,7 +14,7 @@ use controller_shim::kube::crd::{
     VolumeBindingMode,
 };
 use controller_shim::kube::{Glue, Settings};
-use controller_shim::provision::Nodes;
+use controller_shim::provision::Cluster;
 use csi_proto::csi::controller_client::ControllerClient;
 use kube::api::{Api, PostParams};
 use kube::Client;
@@ -196,13 +196,14 @@ pub fn snapshot_class_crd() -> String {
 
 /// The CSI controller over `backend`, in process on `dir/csi.sock`, as the sidecars reach it:
 /// its client and its task (abort it to stop the server). `metrics` is where it serves
-/// `/metrics`, `nodes` what checks a node before ControllerPublish.
+/// `/metrics`, `cluster` what checks a node before ControllerPublish and the claim of a
+/// ReadWriteMany block volume.
 pub async fn serve_controller(
     dir: &Path,
     backend: Arc<dyn Backend>,
     cluster_id: &str,
     metrics: Option<tokio::net::TcpListener>,
-    nodes: Option<Arc<dyn Nodes>>,
+    cluster: Option<Cluster>,
 ) -> (ControllerClient<Channel>, JoinHandle<()>) {
     let socket = dir.join("csi.sock");
     let server = {
@@ -215,7 +216,7 @@ pub async fn serve_controller(
                 cluster_id,
                 metrics,
                 Default::default(),
-                nodes,
+                cluster,
                 std::future::pending(),
             )
             .await
@@ -226,14 +227,14 @@ pub async fn serve_controller(
     (ControllerClient::new(channel), server)
 }
 
-/// The CSI controller over `backend`, checking nodes through the glue (cluster id `k8s`).
+/// The CSI controller over `backend`, checking nodes and claims through the glue (cluster
+/// id `k8s`).
 pub async fn serve_csi(
     backend: Arc<dyn Backend>,
     glue: &Glue,
     dir: &Path,
 ) -> (ControllerClient<Channel>, JoinHandle<()>) {
-    let nodes: Arc<dyn Nodes> = Arc::new(glue.nodes.clone());
-    serve_controller(dir, backend, "k8s", None, Some(nodes)).await
+    serve_controller(dir, backend, "k8s", None, Some(glue.cluster())).await
 }
 
 /// A CRD that only serves `kind` (no schema), standing in for another project's.

@@ -173,6 +173,48 @@ fn any_rpc() -> Vec<(Error, Code)> {
         (SnapshotError::Clash { name: "s".into() }, AlreadyExists),
     ]
     .map(|(e, c)| (Error::from(e), c));
+    let namespace = || "vms".to_owned();
+    let name = || "disk".to_owned();
+    let claim = [
+        (ClaimError::Unnamed, FailedPrecondition),
+        (
+            ClaimError::Read {
+                namespace: namespace(),
+                name: name(),
+                source: kube::Error::Api(kube::core::Status::failure("m", "Timeout").boxed()),
+            },
+            Unavailable,
+        ),
+        (
+            ClaimError::Gone {
+                namespace: namespace(),
+                name: name(),
+            },
+            FailedPrecondition,
+        ),
+        (
+            ClaimError::KeyNotLoaded {
+                namespace: namespace(),
+                name: name(),
+            },
+            Unavailable,
+        ),
+        (
+            ClaimError::NotAdmitted {
+                namespace: namespace(),
+                name: name(),
+            },
+            FailedPrecondition,
+        ),
+        (
+            ClaimError::StampMismatch {
+                namespace: namespace(),
+                name: name(),
+            },
+            FailedPrecondition,
+        ),
+    ]
+    .map(|(e, c)| (Error::from(e), c));
     let local = vec![
         (
             LocalError::NoSpace {
@@ -355,6 +397,7 @@ fn any_rpc() -> Vec<(Error, Code)> {
         .chain(id)
         .chain(volume)
         .chain(snapshot)
+        .chain(claim)
         .chain(backend)
         .collect()
 }
