@@ -167,10 +167,11 @@ async fn a_connection_names_what_is_wrong_and_logs_in_by_the_products_rules() {
         "creds",
         &[("username", "csi"), ("password", "S3cret@9")],
     );
-    wait_connection(&api, "main", "logged in again", |s| {
+    let again = wait_connection(&api, "main", "logged in again", |s| {
         s.phase == Some(Phase::Created)
     })
     .await;
+    assert_eq!(again.reason, None, "the refusal's reason stayed");
 
     // controlPlane.address never changes.
     let patch = |address: &str| {

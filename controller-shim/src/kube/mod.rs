@@ -320,7 +320,9 @@ async fn log_failure<T, E: std::fmt::Display>(result: Result<T, E>, kind: &'stat
     }
 }
 
-/// Writes `status` into a resource of ours, only when it differs from what it has.
+/// Writes `status` into a resource of ours, only when it differs from what it has. A field
+/// the current status has and `status` lacks is removed (a merge patch leaves out what it
+/// does not name).
 async fn write_status<K, S>(
     ctx: &Context,
     object: &K,
@@ -337,11 +339,20 @@ where
     if current == Some(status) {
         return Ok(());
     }
+    let mut patch = serde_json::to_value(status).map_err(|e| GlueError::Invalid(e.to_string()))?;
+    let was = current.map(serde_json::to_value).transpose();
+    if let (Some(fields), Ok(Some(serde_json::Value::Object(was)))) = (patch.as_object_mut(), was) {
+        for gone in was.keys() {
+            fields
+                .entry(gone.clone())
+                .or_insert(serde_json::Value::Null);
+        }
+    }
     let api: Api<K> = Api::all(ctx.client.clone());
     api.patch_status(
         &object.name_any(),
         &ctx.patch_params(),
-        &kube::api::Patch::Merge(serde_json::json!({ "status": status })),
+        &kube::api::Patch::Merge(serde_json::json!({ "status": patch })),
     )
     .await?;
     Ok(())
