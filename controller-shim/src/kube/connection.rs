@@ -2,7 +2,7 @@
 //! Secrets hold every key they need, `controlPlane.address` never changed, and the uStor
 //! management API accepts the user's login. The login follows the product's rules
 //! (`backend/ustor/login.rs`): at start, hourly, within seconds of either Secret changing, and
-//! never again within 5 minutes with credentials uStor refused.
+//! never again with credentials uStor refused until they change.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
@@ -303,7 +303,7 @@ async fn prepare(
 }
 
 /// Logs in when the rules say so: now if a Secret changed since the last attempt (the rules
-/// still refuse a second try with credentials uStor just refused), else only when the hourly
+/// still refuse another try with credentials uStor refused), else only when the hourly
 /// check or a retry is due.
 async fn login(session: &Session, versions: String) -> Verdict {
     let changed = {

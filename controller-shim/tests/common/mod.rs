@@ -54,16 +54,12 @@ pub fn test_settings() -> Settings {
         snapshot_api_poll: Duration::from_secs(1),
         allow_insecure_http: true,
         login_timing: Timing {
-            after_refusal: REFUSAL_PAUSE,
             after_unreachable: Duration::from_secs(1),
             keepalive: Duration::from_secs(3600),
         },
         ..Settings::default()
     }
 }
-
-/// The 5-minute pause after a refused login, shortened.
-pub const REFUSAL_PAUSE: Duration = Duration::from_secs(6);
 
 /// `kubectl apply -f -` of `yaml`; panics with kubectl's words when it fails.
 pub fn apply(cluster: &KubeCluster, yaml: &str) {

@@ -1,6 +1,6 @@
 //! The client of the uStor management API, per `controller-shim/USTOR_API.md`: login under
-//! the rules of [`LoginPolicy`], bearer tokens renewed on expiry, answers typed by the contract's error table
-//! ([`UstorError`]).
+//! the rules of [`LoginPolicy`], bearer tokens renewed on expiry, answers typed by the
+//! contract's error table ([`UstorError`]).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -12,7 +12,7 @@ use tokio::sync::Mutex;
 
 use super::credentials::CredentialSource;
 use super::error::{ApiCall, UstorError};
-use super::login::{Decision, LoginPolicy, Refusal, Timing};
+use super::login::{Decision, Hold, LoginPolicy, Refusal, Timing};
 
 /// How the management API is reached.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -160,6 +160,10 @@ impl UstorApi {
         *self.login_state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    fn set_login_state(&self, state: LoginState) {
+        *self.login_state.lock().unwrap_or_else(|p| p.into_inner()) = state;
+    }
+
     /// Logs in now if the rules allow it. The outcome is what the connection's Authenticated
     /// condition shows.
     pub async fn login(&self) -> Result<(), UstorError> {
@@ -171,10 +175,13 @@ impl UstorApi {
         let credentials = self.credentials.read()?;
         let fingerprint = credentials.fingerprint();
         let now = (self.clock)();
-        if let Decision::Wait { reason, retry_in } = session.policy.decide(now, fingerprint) {
+        if let Decision::Wait { reason, hold } = session.policy.decide(now, &fingerprint) {
+            if hold == Hold::UntilChanged {
+                self.set_login_state(LoginState::Refused(reason));
+            }
             return Err(UstorError::LoginRefused {
                 reason,
-                retry_in: Some(retry_in),
+                held: Some(hold),
             });
         }
         let body = serde_json::json!({"username": credentials.username, "password": credentials.password()});
@@ -205,11 +212,11 @@ impl UstorApi {
                 Err(Refusal::from_code(&code))
             }
         };
-        session.policy.record(now, fingerprint, outcome);
-        *self.login_state.lock().unwrap_or_else(|p| p.into_inner()) = match outcome {
+        session.policy.record(now, &fingerprint, outcome);
+        self.set_login_state(match outcome {
             Ok(()) => LoginState::LoggedIn,
             Err(reason) => LoginState::Refused(reason),
-        };
+        });
         match outcome {
             Ok(()) => {
                 tracing::info!(user = %credentials.username, "logged in to uStor");
@@ -218,10 +225,7 @@ impl UstorApi {
             Err(reason) => {
                 session.token = None;
                 tracing::error!(user = %credentials.username, %reason, advice = reason.advice(), "uStor refused the login");
-                Err(UstorError::LoginRefused {
-                    reason,
-                    retry_in: None,
-                })
+                Err(UstorError::LoginRefused { reason, held: None })
             }
         }
     }

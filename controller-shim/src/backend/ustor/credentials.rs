@@ -24,6 +24,9 @@ pub enum CredentialsError {
 pub struct Credentials {
     pub username: String,
     password: String,
+    /// What identifies them where refusals are remembered beyond this process (in
+    /// Kubernetes, a keyed digest of the Secret's content).
+    fingerprint: Option<String>,
 }
 
 impl Credentials {
@@ -31,7 +34,14 @@ impl Credentials {
         Self {
             username: username.into(),
             password: password.into(),
+            fingerprint: None,
         }
+    }
+
+    /// The same credentials, identified by `fingerprint` (which must not reveal them).
+    pub fn with_fingerprint(mut self, fingerprint: String) -> Self {
+        self.fingerprint = Some(fingerprint);
+        self
     }
 
     /// For the login request body only.
@@ -39,19 +49,21 @@ impl Credentials {
         &self.password
     }
 
-    /// Identifies this pair without revealing it: the login policy remembers which
-    /// credentials were refused by this value, never by the password.
-    pub fn fingerprint(&self) -> u64 {
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        for b in self
-            .username
-            .bytes()
-            .chain([0])
-            .chain(self.password.bytes())
-        {
-            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+    /// Identifies these credentials without revealing them: the login rules remember which
+    /// credentials were refused by this value, never by the password. The one given with
+    /// [`Credentials::with_fingerprint`], else a SHA-256 of the pair, kept in memory only.
+    pub fn fingerprint(&self) -> String {
+        if let Some(given) = &self.fingerprint {
+            return given.clone();
         }
-        h
+        let mut pair = self.username.as_bytes().to_vec();
+        pair.push(0);
+        pair.extend_from_slice(self.password.as_bytes());
+        ring::digest::digest(&ring::digest::SHA256, &pair)
+            .as_ref()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
     }
 }
 
@@ -60,6 +72,7 @@ impl fmt::Debug for Credentials {
         f.debug_struct("Credentials")
             .field("username", &self.username)
             .field("password", &"<redacted>")
+            .field("fingerprint", &self.fingerprint)
             .finish()
     }
 }

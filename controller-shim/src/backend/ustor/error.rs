@@ -4,12 +4,11 @@
 //! or after an answer.
 
 use std::fmt;
-use std::time::Duration;
 
 use reqwest::{Method, StatusCode};
 
 use super::credentials::CredentialsError;
-use super::login::Refusal;
+use super::login::{Hold, Refusal};
 
 /// One request to the management API, as messages name it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -89,11 +88,11 @@ pub enum UstorError {
     #[error("{call}: token expired twice in a row")]
     TokenExpiredTwice { call: ApiCall },
     /// The login was refused (or not tried: the rules say wait), with uStor's reason.
-    #[error("uStor refused the login: {reason} ({}){}", reason.advice(), retry_note(*retry_in))]
+    #[error("uStor refused the login: {reason} ({}){}", reason.advice(), held_note(*held))]
     LoginRefused {
         reason: Refusal,
-        /// Set when the login was not even tried: the same credentials wait this long.
-        retry_in: Option<Duration>,
+        /// Set when the login was not even tried, saying for how long it holds.
+        held: Option<Hold>,
     },
     #[error("backend: login answer: {0}")]
     LoginAnswer(#[source] reqwest::Error),
@@ -121,15 +120,14 @@ pub enum UstorError {
     EncodeLabel(#[source] serde_json::Error),
 }
 
-fn retry_note(retry_in: Option<Duration>) -> String {
-    retry_in
-        .map(|d| {
-            format!(
-                "; not retried with the same credentials for another {}s",
-                d.as_secs()
-            )
-        })
-        .unwrap_or_default()
+fn held_note(held: Option<Hold>) -> String {
+    match held {
+        None => String::new(),
+        Some(Hold::For(d)) => format!("; not retried for another {}s", d.as_secs()),
+        Some(Hold::UntilChanged) => "; not retried with the same credentials until they change \
+             (uStor locks the user after 3 failed logins)"
+            .into(),
+    }
 }
 
 impl UstorError {

@@ -3,8 +3,11 @@
 //! From the product this driver replaces (its v0.2.0 notes and guide):
 //! - a refused login names uStor's reason (UserLocked, PasswordExpired, TemporaryPassword,
 //!   UserNotFound, LoginRejected), or Unreachable when uStor did not answer;
-//! - a refused login is not retried with the same credentials for 5 minutes: three failures in
-//!   a row lock the user for 15 minutes, so a typo in the Secret must not lock it in seconds;
+//! - a refused login is not retried with the same credentials until they change: three
+//!   failures in a row lock the user for 15 minutes, and waiting does not make a wrong
+//!   password right (the product retried after 5 minutes, so a typo in the Secret locked the
+//!   user within 10). A refusal seen by another session, another replica or before a restart
+//!   counts the same ([`LoginPolicy::remember`]);
 //! - new credentials are tried at once;
 //! - a login check runs every hour even when idle: uStor locks a user that has not logged in
 //!   for 45 days.
@@ -76,8 +79,6 @@ impl fmt::Display for Refusal {
 /// Policy constants; the defaults are the product's.
 #[derive(Debug, Clone, Copy)]
 pub struct Timing {
-    /// No second try with credentials uStor refused, for this long.
-    pub after_refusal: Duration,
     /// Retry pause after Unreachable.
     pub after_unreachable: Duration,
     /// Log in at least this often, even with nothing to do.
@@ -87,14 +88,13 @@ pub struct Timing {
 impl Default for Timing {
     fn default() -> Self {
         Self {
-            after_refusal: Duration::from_secs(5 * 60),
             after_unreachable: Duration::from_secs(10),
             keepalive: Duration::from_secs(60 * 60),
         }
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 enum State {
     Never,
     Accepted {
@@ -103,8 +103,17 @@ enum State {
     Refused {
         at: Instant,
         reason: Refusal,
-        credentials: u64,
+        credentials: String,
     },
+}
+
+/// How long a refused login holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hold {
+    /// uStor did not answer: tried again after this.
+    For(Duration),
+    /// uStor refused these credentials: not tried again until they change.
+    UntilChanged,
 }
 
 /// The answer to "may I log in now?".
@@ -114,7 +123,7 @@ pub enum Decision {
     /// Not now: the last attempt with these credentials was refused for `reason`.
     Wait {
         reason: Refusal,
-        retry_in: Duration,
+        hold: Hold,
     },
 }
 
@@ -133,32 +142,34 @@ impl LoginPolicy {
     }
 
     /// Whether a login with credentials `fingerprint` may be attempted at `now`.
-    pub fn decide(&self, now: Instant, fingerprint: u64) -> Decision {
-        match self.state {
+    pub fn decide(&self, now: Instant, fingerprint: &str) -> Decision {
+        match &self.state {
             State::Refused {
                 at,
-                reason,
-                credentials,
+                reason: Refusal::Unreachable,
+                ..
             } => {
-                let pause = if reason == Refusal::Unreachable {
-                    self.timing.after_unreachable
-                } else if credentials != fingerprint {
-                    // New credentials (the Secret changed): try them at once.
-                    return Decision::Attempt;
-                } else {
-                    self.timing.after_refusal
-                };
-                let since = now.saturating_duration_since(at);
+                let pause = self.timing.after_unreachable;
+                let since = now.saturating_duration_since(*at);
                 if since < pause {
                     Decision::Wait {
-                        reason,
-                        retry_in: pause - since,
+                        reason: Refusal::Unreachable,
+                        hold: Hold::For(pause - since),
                     }
                 } else {
                     Decision::Attempt
                 }
             }
-            State::Never | State::Accepted { .. } => Decision::Attempt,
+            State::Refused {
+                reason,
+                credentials,
+                ..
+            } if credentials == fingerprint => Decision::Wait {
+                reason: *reason,
+                hold: Hold::UntilChanged,
+            },
+            // New credentials (the Secret changed): try them at once.
+            State::Refused { .. } | State::Never | State::Accepted { .. } => Decision::Attempt,
         }
     }
 
@@ -171,15 +182,25 @@ impl LoginPolicy {
         }
     }
 
-    pub fn record(&mut self, now: Instant, fingerprint: u64, outcome: Result<(), Refusal>) {
+    pub fn record(&mut self, now: Instant, fingerprint: &str, outcome: Result<(), Refusal>) {
         self.state = match outcome {
             Ok(()) => State::Accepted { at: now },
             Err(reason) => State::Refused {
                 at: now,
                 reason,
-                credentials: fingerprint,
+                credentials: fingerprint.to_owned(),
             },
         };
+    }
+
+    /// Takes in a refusal of credentials `fingerprint` seen elsewhere (another session or
+    /// replica, or before a restart): they are not tried here either.
+    pub fn remember(&mut self, now: Instant, fingerprint: &str, reason: Refusal) {
+        let known = matches!(&self.state, State::Refused { credentials, reason: r, .. }
+            if credentials == fingerprint && *r == reason);
+        if !known {
+            self.record(now, fingerprint, Err(reason));
+        }
     }
 
     /// The current refusal, if the last attempt was refused.
@@ -197,34 +218,43 @@ mod tests {
 
     const MIN: Duration = Duration::from_secs(60);
 
+    const HELD: Decision = Decision::Wait {
+        reason: Refusal::LoginRejected,
+        hold: Hold::UntilChanged,
+    };
+
     #[test]
-    fn a_refused_password_is_not_retried_for_five_minutes() {
+    fn a_refused_password_is_not_retried_until_it_changes() {
         let t0 = Instant::now();
         let mut p = LoginPolicy::new(Timing::default());
-        assert_eq!(p.decide(t0, 1), Decision::Attempt);
-        p.record(t0, 1, Err(Refusal::LoginRejected));
-        assert_eq!(
-            p.decide(t0 + MIN, 1),
-            Decision::Wait {
-                reason: Refusal::LoginRejected,
-                retry_in: 4 * MIN
-            }
-        );
-        assert!(matches!(
-            p.decide(t0 + 5 * MIN - Duration::from_secs(1), 1),
-            Decision::Wait { .. }
-        ));
-        assert_eq!(p.decide(t0 + 5 * MIN, 1), Decision::Attempt);
+        assert_eq!(p.decide(t0, "a"), Decision::Attempt);
+        p.record(t0, "a", Err(Refusal::LoginRejected));
+        for later in [MIN, 5 * MIN, 24 * 60 * MIN] {
+            assert_eq!(p.decide(t0 + later, "a"), HELD, "{later:?} later");
+        }
         assert_eq!(p.refusal(), Some(Refusal::LoginRejected));
+    }
+
+    #[test]
+    fn a_refusal_seen_elsewhere_holds_here() {
+        let t0 = Instant::now();
+        let mut p = LoginPolicy::new(Timing::default());
+        p.record(t0, "a", Ok(()));
+        p.remember(t0, "a", Refusal::LoginRejected);
+        assert_eq!(p.decide(t0, "a"), HELD);
+        assert_eq!(p.decide(t0, "b"), Decision::Attempt);
     }
 
     #[test]
     fn new_credentials_are_tried_at_once() {
         let t0 = Instant::now();
         let mut p = LoginPolicy::new(Timing::default());
-        p.record(t0, 1, Err(Refusal::PasswordExpired));
-        assert_eq!(p.decide(t0 + Duration::from_secs(1), 2), Decision::Attempt);
-        p.record(t0 + Duration::from_secs(1), 2, Ok(()));
+        p.record(t0, "a", Err(Refusal::PasswordExpired));
+        assert_eq!(
+            p.decide(t0 + Duration::from_secs(1), "b"),
+            Decision::Attempt
+        );
+        p.record(t0 + Duration::from_secs(1), "b", Ok(()));
         assert_eq!(p.refusal(), None);
     }
 
@@ -232,15 +262,18 @@ mod tests {
     fn unreachable_is_retried_sooner_whatever_the_credentials() {
         let t0 = Instant::now();
         let mut p = LoginPolicy::new(Timing::default());
-        p.record(t0, 1, Err(Refusal::Unreachable));
-        assert!(matches!(
-            p.decide(t0 + Duration::from_secs(5), 1),
+        p.record(t0, "a", Err(Refusal::Unreachable));
+        assert_eq!(
+            p.decide(t0 + Duration::from_secs(5), "a"),
             Decision::Wait {
                 reason: Refusal::Unreachable,
-                ..
+                hold: Hold::For(Duration::from_secs(5)),
             }
-        ));
-        assert_eq!(p.decide(t0 + Duration::from_secs(10), 1), Decision::Attempt);
+        );
+        assert_eq!(
+            p.decide(t0 + Duration::from_secs(10), "a"),
+            Decision::Attempt
+        );
     }
 
     #[test]
@@ -248,7 +281,7 @@ mod tests {
         let t0 = Instant::now();
         let mut p = LoginPolicy::new(Timing::default());
         assert!(p.check_due(t0), "before the first login");
-        p.record(t0, 1, Ok(()));
+        p.record(t0, "a", Ok(()));
         assert!(!p.check_due(t0 + 59 * MIN));
         assert!(p.check_due(t0 + 60 * MIN));
     }

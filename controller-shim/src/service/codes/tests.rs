@@ -7,6 +7,7 @@ use reqwest::Method;
 
 use super::*;
 use crate::backend::ustor::error::{ApiCall, ApiReply};
+use crate::backend::ustor::login::Hold;
 use crate::ids::{Handle, Kind};
 
 fn handle() -> Handle {
@@ -304,16 +305,23 @@ fn any_rpc() -> Vec<(Error, Code)> {
         (
             UstorError::LoginRefused {
                 reason: Refusal::Unreachable,
-                retry_in: None,
+                held: None,
             },
             Unavailable,
         ),
         (
             UstorError::LoginRefused {
                 reason: Refusal::PasswordExpired,
-                retry_in: Some(Duration::from_secs(9)),
+                held: Some(Hold::UntilChanged),
             },
             Unauthenticated,
+        ),
+        (
+            UstorError::LoginRefused {
+                reason: Refusal::Unreachable,
+                held: Some(Hold::For(Duration::from_secs(9))),
+            },
+            Unavailable,
         ),
         (UstorError::LoginAnswer(http_error()), Internal),
         (
