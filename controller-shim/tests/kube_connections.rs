@@ -389,3 +389,128 @@ async fn volumes_of_two_connections_live_on_their_own_ustor_clusters() {
     assert_eq!(beta.images(), ["data/k8s-pvc-sc-beta"]);
     server.abort();
 }
+
+/// uStor locks a user out after 3 failed logins: credentials it refused are not tried again
+/// until the Secret changes, by a session made anew for a new CA, by a restarted controller
+/// or through a CSI call, and the status says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "kube: needs the test API server (tests/kube/run)"]
+async fn refused_credentials_stay_refused_across_sessions_and_restarts() {
+    use controller_shim::backend::connections::ConnectionsBackend;
+    use csi_proto::csi::volume_capability::access_mode::Mode;
+    use csi_proto::csi::CreateVolumeRequest;
+    use testkit::csi::{create_volume_request, mount_capability};
+
+    let cluster = cluster_with_namespace();
+    let ustor = testkit::fake_ustor::FakeUstor::start().await.unwrap();
+    ustor.set_user("csi", "Right@1", None);
+    put_secret(
+        &cluster,
+        "creds",
+        &[("username", "csi"), ("password", "Wrong@1")],
+    );
+    put_secret(&cluster, "tls", &TLS);
+    apply(
+        &cluster,
+        &connection_yaml("main").replace("https://ustor.example:23004", &ustor.url()),
+    );
+    let client = client(&cluster).await;
+    let api: Api<MindUstorStorageConnection> = Api::all(client.clone());
+    let session = |glue: &Glue| glue.connections.sessions.get("main");
+
+    let glue = Glue::start(client.clone(), test_settings());
+    let refused = wait_connection(&api, "main", "LoginRejected", |s| {
+        authenticated(s).1 == "LoginRejected"
+    })
+    .await;
+    assert_eq!(ustor.logins(), 1);
+    let record = refused
+        .refused_login
+        .clone()
+        .expect("the refusal is in the status");
+    assert_eq!(record.reason, "LoginRejected");
+    assert_eq!(record.credentials_digest.len(), 64, "{record:?}");
+    assert!(
+        reason_has(
+            &refused,
+            "not tried again until Secret d8-csi-mind-ustor/creds changes"
+        ),
+        "{:?}",
+        refused.reason
+    );
+    let unchanged = |status: &controller_shim::kube::crd::ConnectionStatus| {
+        status.refused_login.as_ref() == Some(&record) && authenticated(status).1 == "LoginRejected"
+    };
+
+    // A new CA: the session is made anew, and does not try them.
+    let first = session(&glue).unwrap();
+    let mut tls = TLS.to_vec();
+    tls[0] = ("ca.crt", "another-ca");
+    put_secret(&cluster, "tls", &tls);
+    eventually("a new session", Duration::from_secs(30), || async {
+        session(&glue).filter(|s| !Arc::ptr_eq(s, &first)).map(drop)
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        ustor.logins(),
+        1,
+        "the new session tried refused credentials"
+    );
+
+    // A restart, and another replica beside it: neither tries them, nor does a CSI call.
+    drop(glue);
+    let glue = Glue::start(client.clone(), test_settings());
+    let replica = Glue::start(client.clone(), test_settings());
+    for g in [&glue, &replica] {
+        eventually(
+            "the session after the restart",
+            Duration::from_secs(30),
+            || async { session(g).map(drop) },
+        )
+        .await;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let backend = ConnectionsBackend::new(Arc::new(replica.connections.clone()), "data");
+    let (mut csi, server) = serve_csi(Arc::new(backend), &replica, dir.path()).await;
+    let request = CreateVolumeRequest {
+        parameters: [("connection".to_owned(), "main".to_owned())].into(),
+        ..create_volume_request(
+            "pvc-1",
+            1 << 20,
+            mount_capability("ext4", Mode::SingleNodeWriter),
+        )
+    };
+    let err = csi.create_volume(request.clone()).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Unauthenticated, "{err:?}");
+    assert!(
+        err.message().contains("until they change"),
+        "{}",
+        err.message()
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(ustor.logins(), 1, "refused credentials were tried again");
+    let status = api.get("main").await.unwrap().status.unwrap();
+    assert!(unchanged(&status), "{status:?}");
+
+    // New credentials: tried at once; the record goes once they are accepted.
+    put_secret(
+        &cluster,
+        "creds",
+        &[("username", "csi"), ("password", "Right@1")],
+    );
+    let created =
+        wait_connection(&api, "main", "Created", |s| s.phase == Some(Phase::Created)).await;
+    assert_eq!(created.refused_login, None, "{created:?}");
+    assert_eq!(authenticated(&created), ("True".into(), "LoggedIn".into()));
+    assert!(
+        created.reason.is_none(),
+        "a stale reason: {:?}",
+        created.reason
+    );
+    csi.create_volume(request)
+        .await
+        .unwrap_or_else(|e| panic!("CreateVolume with the new password: {e:?}"));
+    assert_eq!(ustor.images(), ["data/k8s-pvc-1"]);
+    server.abort();
+}

@@ -2,7 +2,11 @@
 //! Secrets hold every key they need, `controlPlane.address` never changed, and the uStor
 //! management API accepts the user's login. The login follows the product's rules
 //! (`backend/ustor/login.rs`): at start, hourly, within seconds of either Secret changing, and
-//! never again with credentials uStor refused until they change.
+//! never again with credentials uStor refused until they change. Refused credentials are
+//! kept in the connection's status (`refusedLogin`, by a keyed digest of the credentials
+//! Secret's content), not in a session: a session made anew (the CA or address changed), a
+//! restarted controller and every replica know them, so none moves the user toward uStor's
+//! lock-out after 3 failed logins.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
@@ -11,12 +15,13 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::runtime::controller::Action;
-use kube::{Api, ResourceExt};
+use kube::{Api, Client, ResourceExt};
 
-use super::crd::{ConnectionStatus, MindUstorStorageConnection, Phase};
+use super::crd::{ConnectionStatus, MindUstorStorageConnection, Phase, RefusedLogin};
+use super::key::ControllerKey;
 use super::{Context, GlueError};
 use crate::backend::connections::{ConnectionDirectory, ConnectionError};
-use crate::backend::ustor::api::{check_url, Scheme, UstorApi};
+use crate::backend::ustor::api::{check_url, RefusalRecord, Scheme, UstorApi};
 use crate::backend::ustor::credentials::{Credentials, SharedCredentials};
 use crate::backend::ustor::login::Refusal;
 
@@ -188,6 +193,79 @@ fn text(data: &BTreeMap<String, Vec<u8>>, key: &str) -> String {
         .to_owned()
 }
 
+/// The credentials Secret's content as it identifies the credentials where refusals are
+/// kept: the HMAC-SHA256 under the controller's key of its keys and values, so the status
+/// never holds anything a reader could guess a password back from. Any change of the
+/// content is new credentials (an operator who wants the same password tried again, after
+/// uStor's administrator unlocked the user, changes any key of the Secret). `None` until the
+/// key is loaded.
+fn credentials_digest(key: &ControllerKey, data: &BTreeMap<String, Vec<u8>>) -> Option<String> {
+    let mut message = b"ustor-nbd.csi.mindsw.io credentials v1".to_vec();
+    for (name, value) in data {
+        message.push(b'\n');
+        message.extend_from_slice(name.as_bytes());
+        message.push(b'=');
+        message.extend(value.iter().flat_map(|b| format!("{b:02x}").into_bytes()));
+    }
+    key.sign(&message)
+}
+
+/// A connection's refused credentials, in its status (`refusedLogin`). Whichever replica is
+/// refused writes it at once (waiting for the leader's next look would let another login
+/// try them), and every login first reads it through the API.
+struct StatusRecord {
+    connection: String,
+    client: Client,
+    field_manager: String,
+}
+
+impl std::fmt::Debug for StatusRecord {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StatusRecord")
+            .field("connection", &self.connection)
+            .finish_non_exhaustive()
+    }
+}
+
+#[tonic::async_trait]
+impl RefusalRecord for StatusRecord {
+    async fn refused(&self, fingerprint: &str) -> Option<Refusal> {
+        let api: Api<MindUstorStorageConnection> = Api::all(self.client.clone());
+        match api.get(&self.connection).await {
+            Ok(connection) => connection
+                .status?
+                .refused_login
+                .filter(|r| r.credentials_digest == fingerprint)
+                .map(|r| Refusal::from_code(&r.reason)),
+            Err(e) => {
+                tracing::warn!(connection = %self.connection, error = %e,
+                    "refused logins: the status cannot be read; going by this session's");
+                None
+            }
+        }
+    }
+
+    async fn record(&self, fingerprint: &str, reason: Refusal) {
+        let api: Api<MindUstorStorageConnection> = Api::all(self.client.clone());
+        let refused = RefusedLogin {
+            credentials_digest: fingerprint.to_owned(),
+            reason: reason.as_str().to_owned(),
+        };
+        let patch = serde_json::json!({ "status": { "refusedLogin": refused } });
+        let params = kube::api::PatchParams {
+            field_manager: Some(self.field_manager.clone()),
+            ..Default::default()
+        };
+        if let Err(e) = api
+            .patch_status(&self.connection, &params, &kube::api::Patch::Merge(patch))
+            .await
+        {
+            tracing::error!(connection = %self.connection, %reason, error = %e,
+                "the refused login could not be kept in the status");
+        }
+    }
+}
+
 /// The outcome of one look at a connection.
 #[derive(Debug, Clone, PartialEq)]
 enum Verdict {
@@ -197,6 +275,9 @@ enum Verdict {
     Refused {
         reason: Refusal,
         message: String,
+        /// The fingerprint of the credentials uStor refused (none when uStor did not
+        /// answer, or the login failed otherwise).
+        credentials: Option<String>,
     },
 }
 
@@ -216,19 +297,36 @@ pub async fn reconcile(
     }
     let verdict = match prepared {
         Err(why) => Verdict::Misconfigured(why),
-        Ok((session, versions)) => login(&session, versions).await,
+        Ok(prepared) => {
+            login(
+                &prepared,
+                &connection.spec.control_plane.credentials_secret_name,
+                &ctx,
+            )
+            .await
+        }
     };
     let status = status_for(&connection, &verdict);
     super::write_status(&ctx, &*connection, connection.status.as_ref(), &status).await?;
     Ok(Action::requeue(CHECK_EVERY))
 }
 
-/// The connection's session with the Secrets' current credentials, and the Secrets'
-/// versions; `Ok(Err(reason))` when the spec or the Secrets are wrong.
+/// A connection's session, ready for a login.
+struct Prepared {
+    session: Arc<Session>,
+    /// The Secrets' versions.
+    versions: String,
+    /// The credentials' fingerprint.
+    credentials: String,
+}
+
+/// The connection's session with the Secrets' current credentials (and the refusal its
+/// status records for them), and the Secrets' versions; `Ok(Err(reason))` when the spec or
+/// the Secrets are wrong.
 async fn prepare(
     connection: &MindUstorStorageConnection,
     ctx: &Context,
-) -> Result<Result<(Arc<Session>, String), String>, GlueError> {
+) -> Result<Result<Prepared, String>, GlueError> {
     let name = connection.name_any();
     let spec = &connection.spec;
     if let Some(first) = connection
@@ -295,24 +393,46 @@ async fn prepare(
         Ok(session) => session,
         Err(reason) => return Ok(Err(reason)),
     };
-    session.credentials.set(Credentials::new(
-        text(&credentials, "username"),
-        text(&credentials, "password"),
-    ));
-    Ok(Ok((session, versions)))
+    let fingerprint = credentials_digest(&ctx.key, &credentials).ok_or(GlueError::KeyNotLoaded)?;
+    session.credentials.set(
+        Credentials::new(
+            text(&credentials, "username"),
+            text(&credentials, "password"),
+        )
+        .with_fingerprint(fingerprint.clone()),
+    );
+    // What another replica, session or run was refused, this session knows before its next
+    // login, whichever call asks for it.
+    if let Some(refused) = connection
+        .status
+        .as_ref()
+        .and_then(|s| s.refused_login.as_ref())
+        .filter(|r| r.credentials_digest == fingerprint)
+    {
+        session
+            .api
+            .remember_refusal(&fingerprint, Refusal::from_code(&refused.reason))
+            .await;
+    }
+    Ok(Ok(Prepared {
+        session,
+        versions,
+        credentials: fingerprint,
+    }))
 }
 
 /// Logs in when the rules say so: now if a Secret changed since the last attempt (the rules
 /// still refuse another try with credentials uStor refused), else only when the hourly
 /// check or a retry is due.
-async fn login(session: &Session, versions: String) -> Verdict {
+async fn login(prepared: &Prepared, secret: &str, ctx: &Context) -> Verdict {
+    let session = &prepared.session;
     let changed = {
         let mut last = session
             .logged_in_with
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        let changed = last.as_deref() != Some(versions.as_str());
-        *last = Some(versions);
+        let changed = last.as_deref() != Some(prepared.versions.as_str());
+        *last = Some(prepared.versions.clone());
         changed
     };
     let outcome = if changed {
@@ -320,15 +440,32 @@ async fn login(session: &Session, versions: String) -> Verdict {
     } else {
         session.api.keepalive().await
     };
+    let credentials = Some(prepared.credentials.clone());
     match (outcome, session.api.refusal().await) {
         (Ok(()), None) => Verdict::LoggedIn,
-        (Ok(()), Some(reason)) | (Err(_), Some(reason)) => Verdict::Refused {
+        (_, Some(Refusal::Unreachable)) => Verdict::Refused {
+            reason: Refusal::Unreachable,
+            message: format!(
+                "uStor refused the login: {}: {}",
+                Refusal::Unreachable,
+                Refusal::Unreachable.advice()
+            ),
+            credentials: None,
+        },
+        (_, Some(reason)) => Verdict::Refused {
             reason,
-            message: format!("uStor refused the login: {reason}: {}", reason.advice()),
+            message: format!(
+                "uStor refused the login: {reason}: {}; these credentials are not tried again until \
+                 Secret {}/{secret} changes (uStor locks the user after 3 failed logins)",
+                reason.advice(),
+                ctx.settings.namespace
+            ),
+            credentials,
         },
         (Err(e), None) => Verdict::Refused {
             reason: Refusal::LoginRejected,
             message: e.to_string(),
+            credentials: None,
         },
     }
 }
@@ -369,6 +506,11 @@ fn session_for(
     if let Some(metrics) = &ctx.settings.backend_metrics {
         api = api.with_metrics(Arc::clone(metrics), name);
     }
+    let api = api.with_refusals(Arc::new(StatusRecord {
+        connection: name.to_owned(),
+        client: ctx.client.clone(),
+        field_manager: ctx.field_manager.clone(),
+    }));
     let session = Arc::new(Session {
         api: Arc::new(api),
         credentials,
@@ -436,7 +578,9 @@ fn status_for(connection: &MindUstorStorageConnection, verdict: &Verdict) -> Con
                 ),
             ],
         ),
-        Verdict::Refused { reason, message } => (
+        Verdict::Refused {
+            reason, message, ..
+        } => (
             Phase::Failed,
             Some(message.clone()),
             vec![
@@ -450,11 +594,25 @@ fn status_for(connection: &MindUstorStorageConnection, verdict: &Verdict) -> Con
         Verdict::Misconfigured(_) => None,
         _ => Some(connection.spec.control_plane.address.clone()),
     });
+    // Refused credentials stay on record until a login with others succeeds.
+    let refused_login = match verdict {
+        Verdict::LoggedIn => None,
+        Verdict::Refused {
+            reason,
+            credentials: Some(credentials),
+            ..
+        } => Some(RefusedLogin {
+            credentials_digest: credentials.clone(),
+            reason: reason.as_str().to_owned(),
+        }),
+        Verdict::Refused { .. } | Verdict::Misconfigured(_) => old.refused_login.clone(),
+    };
     ConnectionStatus {
         phase: Some(phase),
         reason,
         conditions,
         control_plane_address,
+        refused_login,
     }
 }
 
@@ -489,6 +647,37 @@ mod tests {
         assert!(err.starts_with("key password"), "{err}");
         let whole = secret(&[("username", "csi"), ("password", "S3cret@1")]);
         assert!(secret_data(Some(&whole), "ns", "creds", field, &CREDENTIAL_KEYS).is_ok());
+    }
+
+    #[test]
+    fn credentials_are_named_by_a_keyed_digest_of_the_whole_secret() {
+        let key = ControllerKey::from_bytes(&[3; 32]);
+        let data = |pairs: &[(&str, &str)]| -> BTreeMap<String, Vec<u8>> {
+            pairs
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), v.as_bytes().to_vec()))
+                .collect()
+        };
+        let secret = data(&[("username", "csi"), ("password", "S3cret@1")]);
+        let digest = credentials_digest(&key, &secret).unwrap();
+        assert_eq!(digest.len(), 64);
+        assert_eq!(
+            credentials_digest(&key, &secret.clone()),
+            Some(digest.clone())
+        );
+        for other in [
+            data(&[("username", "csi"), ("password", "S3cret@2")]),
+            data(&[
+                ("username", "csi"),
+                ("password", "S3cret@1"),
+                ("retry", "1"),
+            ]),
+        ] {
+            assert_ne!(credentials_digest(&key, &other), Some(digest.clone()));
+        }
+        let other_key = ControllerKey::from_bytes(&[4; 32]);
+        assert_ne!(credentials_digest(&other_key, &secret), Some(digest));
+        assert_eq!(credentials_digest(&ControllerKey::default(), &secret), None);
     }
 
     #[test]

@@ -81,6 +81,22 @@ pub struct ConnectionStatus {
     /// immutability check compares against.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub control_plane_address: Option<String>,
+    /// The credentials uStor last refused: no login is tried with them again (uStor locks
+    /// the user after 3 failed logins) until the credentials Secret changes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refused_login: Option<RefusedLogin>,
+}
+
+/// Credentials uStor refused, named without revealing them.
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RefusedLogin {
+    /// HMAC-SHA256, under the controller's key (Secret csi-controller-key), of the content of
+    /// the credentials Secret when uStor refused it; never the Secret itself.
+    pub credentials_digest: String,
+    /// uStor's reason: UserLocked, PasswordExpired, TemporaryPassword, UserNotFound or
+    /// LoginRejected.
+    pub reason: String,
 }
 
 /// A StorageClass of this driver over one connection and pool. Immutable once created.

@@ -1,8 +1,10 @@
 //! The controller's secret key: the Secret `csi-controller-key` (key `key`, 32 random bytes)
 //! in the driver's namespace, made by the first replica that finds none and followed by every
 //! replica. It signs the admission webhook's stamps on claims ([`super::stamp`]), so only a
-//! claim the webhook admitted carries a valid one. Deleting the Secret makes a new key: the
-//! stamps made with the old one no longer count.
+//! claim the webhook admitted carries a valid one, and it keys the digests by which the
+//! connections' statuses name credentials uStor refused ([`super::connection`]), so nobody
+//! can guess a password back from them. Deleting the Secret makes a new key: the stamps made
+//! with the old one no longer count, and refused credentials are tried once more.
 
 use std::fmt;
 use std::sync::{Arc, RwLock};

@@ -2,7 +2,9 @@
 //! kube-lease-manager): only the leader writes to the Kubernetes API and runs the periodic
 //! uStor login checks, so two replicas never both reconcile. Every replica keeps its
 //! connection sessions current, because the CSI calls go to whichever replica's sidecars
-//! lead, which need not be the glue's leader; such a replica logs in when a call needs it.
+//! lead, which need not be the glue's leader; such a replica logs in when a call needs it,
+//! and when uStor refuses it, writes that into the connection's status itself (no replica
+//! tries those credentials again).
 
 use std::time::Duration;
 

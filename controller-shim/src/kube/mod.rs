@@ -39,6 +39,8 @@ pub enum GlueError {
     Api(#[from] kube::Error),
     #[error("{0}")]
     Invalid(String),
+    #[error("the controller's key (Secret {}) is not loaded yet", key::KEY_SECRET)]
+    KeyNotLoaded,
 }
 
 /// What the reconcilers share.
@@ -51,6 +53,8 @@ pub struct Context {
     pub leader: leader::Leadership,
     /// The field manager of every write, naming the replica (`managedFields` show who wrote).
     pub field_manager: String,
+    /// The controller's key (digests of refused credentials).
+    pub key: key::ControllerKey,
 }
 
 impl Context {
@@ -175,6 +179,7 @@ impl Glue {
             sessions: Arc::clone(&sessions),
             leader,
             field_manager,
+            key: key.clone(),
         });
         let (nodes, node_watch) = nodes::CsiNodes::start(client.clone());
         let claims = claims::AdmittedClaims {
@@ -360,6 +365,11 @@ where
 
 /// A failed reconcile (API unreachable, conflict) is tried again shortly.
 fn retry_later<K>(_object: Arc<K>, error: &GlueError, _ctx: Arc<Context>) -> Action {
-    tracing::warn!(error = %error, "reconcile failed; retrying in 5 s");
-    Action::requeue(Duration::from_secs(5))
+    // The key is read within moments of the start.
+    let pause = match error {
+        GlueError::KeyNotLoaded => Duration::from_secs(1),
+        GlueError::Api(_) | GlueError::Invalid(_) => Duration::from_secs(5),
+    };
+    tracing::warn!(error = %error, ?pause, "reconcile failed; retrying");
+    Action::requeue(pause)
 }

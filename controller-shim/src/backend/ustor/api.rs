@@ -1,5 +1,6 @@
 //! The client of the uStor management API, per `controller-shim/USTOR_API.md`: login under
-//! the rules of [`LoginPolicy`], bearer tokens renewed on expiry, answers typed by the
+//! the rules of [`LoginPolicy`] (with refusals remembered beyond the session where a
+//! [`RefusalRecord`] keeps them), bearer tokens renewed on expiry, answers typed by the
 //! contract's error table ([`UstorError`]).
 
 use std::sync::Arc;
@@ -74,6 +75,17 @@ struct Session {
 /// A clock, injectable so the login rules are tested without waiting.
 pub type Clock = Arc<dyn Fn() -> Instant + Send + Sync>;
 
+/// Where the credentials uStor refused are remembered beyond one session, so that no
+/// session, replica or restarted controller tries them again (in Kubernetes: the
+/// connection's status). Credentials are named by their fingerprint only.
+#[tonic::async_trait]
+pub trait RefusalRecord: Send + Sync + std::fmt::Debug {
+    /// Why credentials `fingerprint` were refused, if they were.
+    async fn refused(&self, fingerprint: &str) -> Option<Refusal>;
+    /// Remembers that uStor refused credentials `fingerprint` for `reason`.
+    async fn record(&self, fingerprint: &str, reason: Refusal);
+}
+
 pub struct UstorApi {
     base: String,
     http: reqwest::Client,
@@ -84,6 +96,8 @@ pub struct UstorApi {
     login_state: std::sync::Mutex<LoginState>,
     /// Where requests are counted, and the connection they are counted under.
     metrics: Option<(Arc<crate::metrics::BackendMetrics>, String)>,
+    /// Where refusals are remembered beyond this session.
+    refusals: Option<Arc<dyn RefusalRecord>>,
 }
 
 /// What the last login attempt gave.
@@ -143,7 +157,15 @@ impl UstorApi {
             clock,
             login_state: std::sync::Mutex::new(LoginState::NotTried),
             metrics: None,
+            refusals: None,
         })
+    }
+
+    /// Remembers refused credentials in `record` as well, and never tries credentials it
+    /// names as refused.
+    pub fn with_refusals(mut self, record: Arc<dyn RefusalRecord>) -> Self {
+        self.refusals = Some(record);
+        self
     }
 
     /// Counts this client's requests in `metrics` under `connection`.
@@ -175,6 +197,11 @@ impl UstorApi {
         let credentials = self.credentials.read()?;
         let fingerprint = credentials.fingerprint();
         let now = (self.clock)();
+        if let Some(record) = &self.refusals {
+            if let Some(reason) = record.refused(&fingerprint).await {
+                session.policy.remember(now, &fingerprint, reason);
+            }
+        }
         if let Decision::Wait { reason, hold } = session.policy.decide(now, &fingerprint) {
             if hold == Hold::UntilChanged {
                 self.set_login_state(LoginState::Refused(reason));
@@ -217,6 +244,11 @@ impl UstorApi {
             Ok(()) => LoginState::LoggedIn,
             Err(reason) => LoginState::Refused(reason),
         });
+        if let (Err(reason), Some(record)) = (outcome, &self.refusals) {
+            if reason != Refusal::Unreachable {
+                record.record(&fingerprint, reason).await;
+            }
+        }
         match outcome {
             Ok(()) => {
                 tracing::info!(user = %credentials.username, "logged in to uStor");
@@ -240,6 +272,16 @@ impl UstorApi {
         } else {
             Ok(())
         }
+    }
+
+    /// Takes in that uStor refused credentials `fingerprint` (seen by another session or
+    /// replica, or before a restart): no login tries them.
+    pub async fn remember_refusal(&self, fingerprint: &str, reason: Refusal) {
+        self.session
+            .lock()
+            .await
+            .policy
+            .remember((self.clock)(), fingerprint, reason);
     }
 
     /// The last login refusal, if the last attempt was refused.
