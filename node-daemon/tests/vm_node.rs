@@ -732,7 +732,7 @@ async fn data_is_never_reformatted_restored_volumes_grow_readonly_is_honoured() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "vm: needs root and the nbd module"]
-async fn a_second_call_on_a_busy_volume_is_aborted() {
+async fn another_call_on_a_busy_volume_is_aborted_and_a_retry_joins_the_first() {
     let mut daemon =
         NodeDaemon::new("busy", "call-patience-secs = 1\ndial-timeout-secs = 6\n").unwrap();
     let c = daemon.start(None).await;
@@ -741,23 +741,39 @@ async fn a_second_call_on_a_busy_volume_is_aborted() {
     let uri = format!("nbd://127.0.0.1:{}/x", silent.local_addr().unwrap().port());
     let staging = daemon.scratch().join("staging-busy");
     std::fs::create_dir_all(&staging).unwrap();
-    let first = {
+    let stage = |c: &NodeClients| {
         let (mut node, req) = (
             c.node.clone(),
             stage_request("slow", &staging, block(), &uri),
         );
         tokio::spawn(async move { node.node_stage_volume(req).await })
     };
+    let first = stage(&c);
     tokio::time::sleep(Duration::from_millis(500)).await;
+    // Another operation on the volume waits call-patience, then is ABORTED.
+    let started = Instant::now();
     let err = c
         .node
         .clone()
-        .node_stage_volume(stage_request("slow", &staging, block(), &uri))
+        .node_unstage_volume(unstage_request("slow", &staging))
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::Aborted, "{}", err.message());
-    let err = first.await.unwrap().unwrap_err();
-    assert_eq!(err.code(), Code::Unavailable, "{}", err.message());
+    assert!(
+        started.elapsed() >= Duration::from_millis(900),
+        "{:?}",
+        started.elapsed()
+    );
+    // The same call again (kubelet's retry) joins the running one and gets its answer.
+    let retry = stage(&c);
+    let first = first.await.unwrap().unwrap_err();
+    assert_eq!(first.code(), Code::Unavailable, "{}", first.message());
+    let retry = retry.await.unwrap().unwrap_err();
+    assert_eq!(
+        (retry.code(), retry.message()),
+        (first.code(), first.message()),
+        "the retry's answer is the first call's"
+    );
     assert_clean(&daemon);
     drop(silent);
 }
