@@ -187,9 +187,7 @@ impl Node {
         volume: &str,
         change: impl FnOnce(Option<&Record>) -> Option<Record>,
     ) -> Result<(), NodeError> {
-        let turn = self.journal_turn(volume);
-        on_disk(|| {
-            let _turn = lock(&turn);
+        self.in_journal_turn(volume, || {
             let current = lock(&self.records).get(volume).cloned();
             let Some(record) = change(current.as_ref()) else {
                 return Ok(());
@@ -220,13 +218,18 @@ impl Node {
         }
     }
 
-    /// The lock writers of `volume`'s journal record take turns on.
-    fn journal_turn(&self, volume: &str) -> Arc<Mutex<()>> {
-        Arc::clone(
+    /// Runs `f`, which writes `volume`'s journal record, in that volume's turn and off the
+    /// runtime's worker (see [`on_disk`]).
+    fn in_journal_turn<T>(&self, volume: &str, f: impl FnOnce() -> T) -> T {
+        let turn = Arc::clone(
             lock(&self.journal_turns)
                 .entry(volume.to_owned())
                 .or_default(),
-        )
+        );
+        on_disk(|| {
+            let _turn = lock(&turn);
+            f()
+        })
     }
 
     /// Journals the connections the device of `volume` may hold, if the volume still has
@@ -250,9 +253,7 @@ impl Node {
 
     /// Forgets the volume, journal first.
     pub(crate) fn forget(&self, volume: &str) -> Result<(), NodeError> {
-        let turn = self.journal_turn(volume);
-        on_disk(|| {
-            let _turn = lock(&turn);
+        self.in_journal_turn(volume, || {
             self.journal.remove(volume)?;
             let mut records = lock(&self.records);
             records.remove(volume);

@@ -23,7 +23,7 @@ use crate::ids::VolumeId;
 use crate::node::{export_uri, off_runtime, Node};
 use crate::record::{Access, Phase, Record};
 use crate::service::codes::{answer, Rpc, Then};
-use crate::volumes::stage::staging_path;
+use crate::volumes::stage::{kernel_takes_size, staging_path};
 
 /// Why a NodeExpandVolume failed.
 #[derive(Debug, thiserror::Error)]
@@ -105,7 +105,7 @@ impl Node {
             .ok_or_else(|| NodeError::DeviceGone {
                 volume: record.volume_id.to_string(),
             })?;
-        if info.size == 0 || !info.size.is_multiple_of(512) {
+        if !kernel_takes_size(info.size) {
             return Err(ExpandError::UnalignedSize {
                 volume: req.volume.to_string(),
                 size: info.size,

@@ -516,17 +516,26 @@ impl Node {
         let (Access::Mount { .. }, Some(staging)) = (&record.access, &record.staging_path) else {
             return Ok(());
         };
-        while self.is_mount_point(staging)? {
-            if !self.volume_mounted_at(record, staging)? {
-                return Err(StageError::StagingPathTaken {
-                    path: staging.clone(),
-                }
-                .into());
-            }
+        if self.volume_mounted_at(record, staging)? {
             tracing::warn!(volume = %record.volume_id, staging = %staging.display(), "unmounting what a lost device left at the staging path");
-            let (path, host) = (staging.clone(), Arc::clone(&self.mounts));
+            self.unmount_ours_at(record, staging).await?;
+        }
+        if self.is_mount_point(staging)? {
+            return Err(StageError::StagingPathTaken {
+                path: staging.clone(),
+            }
+            .into());
+        }
+        Ok(())
+    }
+
+    /// Unmounts every layer at `path` that is this volume's (see [`Node::volume_mounted_at`]),
+    /// from the top, and stops at the first that is not.
+    async fn unmount_ours_at(&self, record: &Record, path: &Path) -> Result<(), NodeError> {
+        while self.volume_mounted_at(record, path)? {
+            let (path, host) = (path.to_owned(), Arc::clone(&self.mounts));
             if !off_runtime("unmount", move || Ok(host.unmount(&path)?)).await? {
-                break;
+                break; // the kernel says nothing is mounted there after all
             }
         }
         Ok(())
@@ -736,12 +745,7 @@ impl Node {
     /// call holds), so dirty data reaches the export before the device goes.
     pub(crate) async fn run_unstage(&self, record: Record) -> Result<(), NodeError> {
         if let (Access::Mount { .. }, Some(staging)) = (&record.access, &record.staging_path) {
-            while self.volume_mounted_at(&record, staging)? {
-                let (path, host) = (staging.clone(), Arc::clone(&self.mounts));
-                if !off_runtime("unmount", move || Ok(host.unmount(&path)?)).await? {
-                    break; // the kernel says nothing is mounted there after all
-                }
-            }
+            self.unmount_ours_at(&record, staging).await?;
         }
         fail::fail_point!("unstage-after-unmount");
         if let Some(device) = self.proven_device(&record)? {
@@ -843,7 +847,7 @@ impl Node {
 /// The kernel takes sizes in whole logical blocks: an export whose size is not a multiple of
 /// 512 bytes would be cut short or refused deep in CONNECT. Said plainly instead.
 fn check_export_size(volume: &str, size: u64) -> Result<(), NodeError> {
-    if size == 0 || !size.is_multiple_of(512) {
+    if !kernel_takes_size(size) {
         return Err(StageError::ExportSize {
             volume: volume.to_owned(),
             size,
@@ -851,6 +855,12 @@ fn check_export_size(volume: &str, size: u64) -> Result<(), NodeError> {
         .into());
     }
     Ok(())
+}
+
+/// Whether the kernel can give a device `size` bytes: a positive number of whole 512-byte
+/// logical blocks. Checked before CONNECT and before an expansion's resize.
+pub(crate) fn kernel_takes_size(size: u64) -> bool {
+    size > 0 && size.is_multiple_of(512)
 }
 
 /// CONNECT for "any free device" fails with ENOSPC or ENODEV when every device is taken
