@@ -202,17 +202,7 @@ async fn stage_within(
     vol: &Volume,
     deadline: Duration,
 ) -> Result<(), tonic::Status> {
-    let mut req = tonic::Request::new(stage_request(
-        &vol.id,
-        &vol.staging,
-        vol.cap.clone(),
-        &vol.uri(),
-    ));
-    if let Some(n) = vol.connections {
-        req.get_mut()
-            .volume_context
-            .insert("nbdConnections".into(), n.to_string());
-    }
+    let mut req = tonic::Request::new(vol.stage_req());
     req.set_timeout(deadline);
     c.node.clone().node_stage_volume(req).await.map(drop)
 }

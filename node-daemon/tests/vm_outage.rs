@@ -94,7 +94,7 @@ async fn a_slow_journal_disk_holds_up_only_its_own_volume() {
     let slow = Volume::new(&daemon, "slow", 32 * MIB, block());
     let staging = {
         let mut c = c.clone();
-        let req = stage_request(&slow.id, &slow.staging, slow.cap.clone(), &slow.uri());
+        let req = slow.stage_req();
         tokio::spawn(async move { c.node.node_stage_volume(req).await })
     };
     daemon.wait_paused("journal-slow-disk").await;

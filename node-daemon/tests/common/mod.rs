@@ -87,24 +87,12 @@ impl Volume {
         cap: VolumeCapability,
         reads_fail_while: &Path,
     ) -> Self {
-        Self::served(
-            daemon,
-            id,
-            size,
-            cap,
-            Listen::Unix,
-            &["--filter=error".into()],
-            &[
-                "error-pread=EIO".into(),
-                "error-pread-rate=100%".into(),
-                format!("error-pread-file={}", reads_fail_while.display()),
-            ],
-        )
+        Self::failing_reads_on(daemon, id, size, cap, Listen::Unix, &[], reads_fail_while)
     }
 
     /// Served over TCP by nbdkit (requiring TLS with `pki`'s certificates, if given) through
-    /// its error filter: reads fail with EIO while `reads_fail_while` exists. What the fault
-    /// campaign's volumes are served by: any of them can be reset, killed or degraded.
+    /// its error filter, as [`Volume::with_failing_reads`]. What the fault campaign's volumes
+    /// are served by: any of them can be reset, killed or degraded.
     pub fn misbehaving(
         daemon: &NodeDaemon,
         id: &str,
@@ -113,23 +101,37 @@ impl Volume {
         pki: Option<&testkit::tls::TestPki>,
         reads_fail_while: &Path,
     ) -> Self {
-        let mut options: Vec<String> = pki.map(|p| p.nbdkit_args().to_vec()).unwrap_or_default();
+        let tls: Vec<String> = pki.map(|p| p.nbdkit_args().to_vec()).unwrap_or_default();
+        let mut vol =
+            Self::failing_reads_on(daemon, id, size, cap, Listen::Tcp, &tls, reads_fail_while);
+        vol.tls = pki.is_some();
+        vol
+    }
+
+    fn failing_reads_on(
+        daemon: &NodeDaemon,
+        id: &str,
+        size: u64,
+        cap: VolumeCapability,
+        listen: Listen,
+        server_options: &[String],
+        reads_fail_while: &Path,
+    ) -> Self {
+        let mut options = server_options.to_vec();
         options.push("--filter=error".into());
-        let mut vol = Self::served(
+        Self::served(
             daemon,
             id,
             size,
             cap,
-            Listen::Tcp,
+            listen,
             &options,
             &[
                 "error-pread=EIO".into(),
                 "error-pread-rate=100%".into(),
                 format!("error-pread-file={}", reads_fail_while.display()),
             ],
-        );
-        vol.tls = pki.is_some();
-        vol
+        )
     }
 
     /// The nbdkit arguments that serve `image` as this volume's export (for a restart with
@@ -244,12 +246,14 @@ impl Volume {
         if self.tls { uri.with_tls() } else { uri }.to_string()
     }
 
-    pub async fn stage(&self, c: &mut NodeClients) -> Result<(), tonic::Status> {
+    /// This volume's NodeStageVolume request, its context included.
+    pub fn stage_req(&self) -> csi_proto::csi::NodeStageVolumeRequest {
         let req = stage_request(&self.id, &self.staging, self.cap.clone(), &self.uri());
-        c.node
-            .node_stage_volume(self.with_context(req, |r| &mut r.volume_context))
-            .await
-            .map(drop)
+        self.with_context(req, |r| &mut r.volume_context)
+    }
+
+    pub async fn stage(&self, c: &mut NodeClients) -> Result<(), tonic::Status> {
+        c.node.node_stage_volume(self.stage_req()).await.map(drop)
     }
 
     pub async fn publish(&self, c: &mut NodeClients) -> Result<(), tonic::Status> {
