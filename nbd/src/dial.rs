@@ -9,6 +9,7 @@ use socket2::{SockRef, TcpKeepalive};
 use tokio::net::{TcpStream, UnixStream};
 use tokio::task::JoinSet;
 
+use crate::grant::Grant;
 use crate::handshake::{self, ExportInfo};
 use crate::tls::TlsFiles;
 use crate::uri::{Endpoint, NbdUri};
@@ -27,6 +28,8 @@ pub struct DialOptions {
     pub connections: u8,
     /// TLS material for `nbds://` exports (ignored by plaintext ones).
     pub tls: Option<Arc<TlsFiles>>,
+    /// The node's fencing grant for the export, asked for as `<export>@<token>`.
+    pub grant: Option<Grant>,
 }
 
 impl Default for DialOptions {
@@ -35,6 +38,7 @@ impl Default for DialOptions {
             deadline: Duration::from_secs(10),
             connections: 1,
             tls: None,
+            grant: None,
         }
     }
 }
@@ -88,6 +92,7 @@ pub async fn dial(uri: &NbdUri, opts: &DialOptions) -> Result<Dialed, Error> {
 /// One connection: connect and handshake (with TLS for `nbds://`) within `opts.deadline`.
 pub async fn dial_one(uri: &NbdUri, opts: &DialOptions) -> Result<(ExportInfo, OwnedFd), Error> {
     let deadline = opts.deadline;
+    let grant = opts.grant.as_ref();
     // The TLS files an nbds:// export needs, checked before anything is dialed: no server
     // answer can make up for their absence.
     let tls = match (uri.tls(), opts.tls.as_deref()) {
@@ -112,15 +117,15 @@ pub async fn dial_one(uri: &NbdUri, opts: &DialOptions) -> Result<(ExportInfo, O
                     .map_err(connect_error)?;
                 tune_tcp(&stream).map_err(connect_error)?;
                 if let Some(files) = tls {
-                    crate::tls::handshake(uri, host, stream, files).await?
+                    crate::tls::handshake(uri, grant, host, stream, files).await?
                 } else {
-                    let info = negotiate(uri, &mut stream).await?;
+                    let info = negotiate(uri, grant, &mut stream).await?;
                     (info, stream.into_std().map_err(connect_error)?.into())
                 }
             }
             Endpoint::Unix { socket } => {
                 let mut stream = UnixStream::connect(socket).await.map_err(connect_error)?;
-                let info = negotiate(uri, &mut stream).await?;
+                let info = negotiate(uri, grant, &mut stream).await?;
                 (info, stream.into_std().map_err(connect_error)?.into())
             }
         };
@@ -134,11 +139,15 @@ pub async fn dial_one(uri: &NbdUri, opts: &DialOptions) -> Result<(ExportInfo, O
         })?
 }
 
-async fn negotiate<S>(uri: &NbdUri, stream: &mut S) -> Result<ExportInfo, Error>
+async fn negotiate<S>(
+    uri: &NbdUri,
+    grant: Option<&Grant>,
+    stream: &mut S,
+) -> Result<ExportInfo, Error>
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
-    handshake::negotiate(stream, uri.export())
+    handshake::negotiate(stream, uri.export(), grant)
         .await
         .map_err(|source| Error::Handshake {
             uri: uri.to_string(),

@@ -11,6 +11,8 @@ use std::io;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
+use crate::grant::Grant;
+
 use crate::protocol::{
     info, opt, rep, ClientFlags, HandshakeFlags, TransmissionFlags, CLISERV_MAGIC, IHAVEOPT,
     NBDMAGIC, OPT_REPLY_MAGIC,
@@ -114,14 +116,19 @@ fn detail(message: &str) -> String {
     }
 }
 
-/// Runs the handshake for `export` on a connected stream and returns what the server said
-/// about the export. The caller bounds it with a deadline.
-pub async fn negotiate<S>(stream: &mut S, export: &str) -> Result<ExportInfo, HandshakeError>
+/// Runs the handshake for `export` (asked for with `grant`, see [`crate::grant`]) on a
+/// connected stream and returns what the server said about the export. The caller bounds it
+/// with a deadline.
+pub async fn negotiate<S>(
+    stream: &mut S,
+    export: &str,
+    grant: Option<&Grant>,
+) -> Result<ExportInfo, HandshakeError>
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
     let greeting = greet(stream).await?;
-    select_export(stream, &greeting, export).await
+    select_export(stream, &greeting, export, grant).await
 }
 
 /// What the server's greeting allows for the rest of the handshake.
@@ -205,26 +212,40 @@ where
 }
 
 /// Asks for `export` (NBD_OPT_GO, or EXPORT_NAME from servers without fixed newstyle) and
-/// ends the handshake.
+/// ends the handshake. With a grant, the name on the wire carries its token; errors name the
+/// export without it.
 pub async fn select_export<S>(
     stream: &mut S,
     greeting: &Greeting,
     export: &str,
+    grant: Option<&Grant>,
 ) -> Result<ExportInfo, HandshakeError>
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
+    let wire = crate::grant::wire_name(export, grant);
+    let names = Names {
+        wire: &wire,
+        shown: export,
+    };
     // Without fixed newstyle the server may drop the connection on any option it does not
     // know, so only the one every newstyle server understands is safe.
     if greeting.fixed_newstyle {
-        match opt_go(stream, export).await? {
+        match opt_go(stream, names).await? {
             GoOutcome::Ready(info) => return Ok(info),
             GoOutcome::Unsupported => {
                 tracing::debug!("server does not know NBD_OPT_GO; falling back to EXPORT_NAME")
             }
         }
     }
-    export_name(stream, export, greeting.no_zeroes).await
+    export_name(stream, names, greeting.no_zeroes).await
+}
+
+/// An export's name as sent (with a grant's token) and as errors show it (without).
+#[derive(Clone, Copy)]
+struct Names<'a> {
+    wire: &'a str,
+    shown: &'a str,
 }
 
 enum GoOutcome {
@@ -232,11 +253,11 @@ enum GoOutcome {
     Unsupported,
 }
 
-async fn opt_go<S>(stream: &mut S, export: &str) -> Result<GoOutcome, HandshakeError>
+async fn opt_go<S>(stream: &mut S, names: Names<'_>) -> Result<GoOutcome, HandshakeError>
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
-    let name = export.as_bytes();
+    let name = names.wire.as_bytes();
     let mut data = Vec::with_capacity(name.len() + 8);
     let name_len = u32::try_from(name.len()).map_err(|_| HandshakeError::OptionTooLong {
         option: opt::GO,
@@ -273,7 +294,7 @@ where
             }
             rep::ERR_UNSUP => return Ok(GoOutcome::Unsupported),
             code if code & rep::FLAG_ERROR != 0 => {
-                return Err(error_reply(code, &reply.data, export))
+                return Err(error_reply(code, &reply.data, names.shown))
             }
             other => {
                 return Err(HandshakeError::Malformed(format!(
@@ -286,17 +307,17 @@ where
 
 async fn export_name<S>(
     stream: &mut S,
-    export: &str,
+    names: Names<'_>,
     no_zeroes: bool,
 ) -> Result<ExportInfo, HandshakeError>
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
-    send_option(stream, opt::EXPORT_NAME, export.as_bytes()).await?;
+    send_option(stream, opt::EXPORT_NAME, names.wire.as_bytes()).await?;
     // The server's only way to refuse EXPORT_NAME is to hang up.
     let rejected = |e: HandshakeError| match e {
         HandshakeError::Closed { .. } => HandshakeError::ExportNameRejected {
-            export: export.to_owned(),
+            export: names.shown.to_owned(),
         },
         other => other,
     };
@@ -521,7 +542,7 @@ mod tests {
     {
         let (mut client, server) = duplex(64 * 1024);
         let peer = tokio::spawn(script(Peer(server)));
-        let result = negotiate(&mut client, export).await;
+        let result = negotiate(&mut client, export, None).await;
         drop(client);
         peer.await.unwrap();
         result
@@ -624,6 +645,31 @@ mod tests {
         .await
         .unwrap();
         assert_eq!(info.size, 8192);
+    }
+
+    /// The grant's token is sent in the name, and a refusal names the export without it.
+    #[tokio::test]
+    async fn a_grant_goes_on_the_wire_and_nowhere_else() {
+        let (mut client, server) = duplex(64 * 1024);
+        let peer = tokio::spawn(async move {
+            let mut p = Peer(server);
+            p.greet(3).await;
+            let (option, data) = p.read_option().await;
+            assert_eq!(option, opt::GO);
+            let len = u32::from_be_bytes(data[..4].try_into().unwrap()) as usize;
+            assert_eq!(&data[4..4 + len], b"pvc-1@5ecret");
+            p.reply(opt::GO, rep::ERR_POLICY, b"no live grant").await;
+        });
+        let grant = Grant::new("5ecret").unwrap();
+        let err = negotiate(&mut client, "pvc-1", Some(&grant))
+            .await
+            .unwrap_err();
+        peer.await.unwrap();
+        assert!(
+            matches!(&err, HandshakeError::PolicyRefused { export, .. } if export == "pvc-1"),
+            "{err:?}"
+        );
+        assert!(!format!("{err} {err:?}").contains("5ecret"), "{err:?}");
     }
 
     #[tokio::test]

@@ -6,11 +6,13 @@
 //! - [`netlink`]: the kernel's `nbd` generic-netlink family (CONNECT, DISCONNECT, RECONFIGURE,
 //!   STATUS, LINK_DEAD).
 //! - [`sysfs`]: what `/sys/block/nbdN` says, and the proof that a device is ours.
+//! - [`grant`]: the fencing grant a node proves itself with in the export name.
 //! - [`attach`]: the sequences built from those, shared by the daemon and `nbdctl`.
 
 pub mod attach;
 pub mod dial;
 mod error;
+pub mod grant;
 pub mod handshake;
 pub mod identity;
 pub mod netlink;
@@ -21,5 +23,6 @@ pub mod tls;
 pub mod uri;
 
 pub use error::Error;
+pub use grant::Grant;
 pub use identity::{BackendId, DeviceIndex};
 pub use uri::NbdUri;

@@ -135,6 +135,7 @@ fn aes_gcm_only() -> rustls::crypto::CryptoProvider {
 /// export chosen inside TLS, kernel TLS installed. Returns a socket ready for the kernel.
 pub(crate) async fn handshake(
     uri: &NbdUri,
+    grant: Option<&crate::Grant>,
     host: &str,
     mut tcp: TcpStream,
     files: &TlsFiles,
@@ -162,7 +163,7 @@ pub(crate) async fn handshake(
         .connect(server_name, ktls::CorkStream::new(tcp))
         .await
         .map_err(|e| tls_error(TlsError::Handshake(e)))?;
-    let mut info = handshake::select_export(&mut tls, &greeting, uri.export())
+    let mut info = handshake::select_export(&mut tls, &greeting, uri.export(), grant)
         .await
         .map_err(handshake_error)?;
     let session = &tls.get_ref().1;

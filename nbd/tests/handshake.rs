@@ -18,7 +18,7 @@ fn opts(connections: u8) -> DialOptions {
     DialOptions {
         deadline: Duration::from_secs(10),
         connections,
-        tls: None,
+        ..DialOptions::default()
     }
 }
 
@@ -167,8 +167,7 @@ async fn silent_peer_hits_the_deadline() {
         &uri,
         &DialOptions {
             deadline: Duration::from_millis(300),
-            connections: 1,
-            tls: None,
+            ..DialOptions::default()
         },
     )
     .await
