@@ -302,6 +302,7 @@ mod tests {
                 uri: "nbd://h/x".into(),
                 connections,
                 tls_profile: None,
+                grant: None,
             },
             "/staging".into(),
             Access::Block,

@@ -53,6 +53,13 @@ pub enum NodeError {
     /// The volume has a record, but staging has not finished (or teardown has begun).
     #[error("volume {volume} is not staged yet (step: {phase:?})")]
     NotStagedYet { volume: String, phase: Phase },
+    /// The export refused this node's grant (see [`crate::fence`]): what is staged here is
+    /// dead, and only unpublishing and unstaging it is left.
+    #[error(
+        "volume {volume} is fenced on this node: its export refused this node's grant (it was unpublished from this node, and may be in use elsewhere){}; unpublish and unstage it here first",
+        if targets.is_empty() { String::new() } else { format!(", and it is still published at {targets}") }
+    )]
+    Fenced { volume: String, targets: String },
     /// The call names a staging path other than the one the volume is staged at.
     #[error("volume {volume} is staged at {}, not at {}", staged.display(), asked.display())]
     WrongStagingPath {

@@ -111,7 +111,7 @@ impl Healer {
     /// recovery does any device I/O, which would otherwise wait on such a link.
     pub fn refresh_all(self: &Arc<Self>, node: &Arc<Node>) {
         for record in node.records() {
-            if record.export.is_none() || record.device.is_none() {
+            if record.export.is_none() || record.device.is_none() || record.fenced.is_some() {
                 continue;
             }
             match liveness(&record.tcp) {
@@ -143,6 +143,7 @@ impl Healer {
                 continue;
             };
             if !self.is_healing_dead_link(&record.volume_id)
+                && record.fenced.is_none()
                 && liveness(&record.tcp) == Liveness::SomeClosed
             {
                 tracing::warn!(volume = %record.volume_id, device = %index, "a connection is closed and no LINK_DEAD was heard; reconnecting");
@@ -223,6 +224,14 @@ impl Healer {
                         continue;
                     }
                     Err(e) => {
+                        if let Some(refusal) = crate::fence::refusal(&e) {
+                            // Refused, not down: the volume was unpublished from this node.
+                            node.fence(&volume, refusal).await;
+                            let mut running =
+                                self.running.lock().unwrap_or_else(|p| p.into_inner());
+                            running.remove(&volume);
+                            return;
+                        }
                         // Rate-limited: the first failures, then every doubling.
                         if attempts.is_power_of_two() {
                             tracing::warn!(%volume, attempts, error = %e, "reconnect failed; retrying");
@@ -271,7 +280,7 @@ impl Healer {
         let Some(record) = node.record(volume) else {
             return Ok(false);
         };
-        if node.is_detaching(volume) {
+        if node.is_detaching(volume) || record.fenced.is_some() {
             return Ok(false);
         }
         crate::node::known_export(&record)?;

@@ -9,7 +9,7 @@
 //! - [`kernel`]: the host (sysfs, netlink, mount table, tools) behind the traits the
 //!   decisions are unit-tested through.
 //! - [`recovery`]: start-up reconciliation of journal, kernel and mounts.
-//! - [`healer`]: LINK_DEAD → redial → RECONFIGURE.
+//! - [`healer`]: LINK_DEAD → redial → RECONFIGURE; [`fence`]: what a refused grant stops.
 //! - [`server`]: sockets, start-up order, shutdown.
 
 pub mod blockdev;
@@ -17,6 +17,7 @@ pub mod config;
 pub mod connections;
 pub mod error;
 pub mod failpoints;
+pub mod fence;
 pub mod healer;
 pub mod held;
 pub mod ids;

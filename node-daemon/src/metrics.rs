@@ -28,6 +28,8 @@ pub struct Metrics {
     pub unreconciled: Gauge,
     /// Devices whose I/O scheduler someone changed and the daemon set back to `none`.
     pub scheduler_reset: Counter,
+    /// Volumes fenced: the export refused this node's grant.
+    pub fenced: Counter,
 }
 
 impl Default for Metrics {
@@ -41,6 +43,12 @@ impl Default for Metrics {
         let splice_refusals = Family::<Labels, Counter>::default();
         let unreconciled = Gauge::default();
         let scheduler_reset = Counter::default();
+        let fenced = Counter::default();
+        registry.register(
+            "fenced_volumes",
+            "Volumes fenced because the export refused this node's grant (unpublished from this node)",
+            fenced.clone(),
+        );
         registry.register(
             "volumes",
             "Volumes staged or being staged on this node",
@@ -82,6 +90,7 @@ impl Default for Metrics {
             splice_refusals,
             unreconciled,
             scheduler_reset,
+            fenced,
         }
     }
 }

@@ -30,6 +30,10 @@ pub enum Link {
         since: Instant,
         last_error: Option<String>,
     },
+    /// The export refused this node's grant (see [`crate::fence`]): never reconnected.
+    Fenced {
+        refusal: String,
+    },
 }
 
 pub struct Node {
@@ -251,6 +255,24 @@ impl Node {
         })
     }
 
+    /// Journals that `volume` was fenced, if it still has the attachment `identifier`.
+    pub(crate) fn set_fenced(
+        &self,
+        volume: &str,
+        identifier: &BackendId,
+        fenced: crate::record::Fenced,
+    ) -> Result<(), NodeError> {
+        self.journaled(volume, |current| {
+            let current = current?;
+            if current.identifier != *identifier || current.fenced.is_some() {
+                return None;
+            }
+            let mut record = current.clone();
+            record.fenced = Some(fenced);
+            Some(record)
+        })
+    }
+
     /// Forgets the volume, journal first.
     pub(crate) fn forget(&self, volume: &str) -> Result<(), NodeError> {
         self.in_journal_turn(volume, || {
@@ -269,9 +291,16 @@ impl Node {
 
     /// Loads records without journaling them again (recovery).
     pub(crate) fn adopt(&self, record: Record) {
-        let mut records = lock(&self.records);
-        records.insert(record.volume_id.to_string(), record);
-        self.metrics.volumes.set(records.len() as i64);
+        let fenced = record.fenced.clone();
+        let volume = record.volume_id.to_string();
+        {
+            let mut records = lock(&self.records);
+            records.insert(volume.clone(), record);
+            self.metrics.volumes.set(records.len() as i64);
+        }
+        if let Some(f) = fenced {
+            self.set_link(&volume, Link::Fenced { refusal: f.refusal });
+        }
     }
 
     /// Volumes whose link is down right now.
@@ -315,6 +344,20 @@ impl Node {
         volume: &str,
         device: &ProvenDevice,
     ) -> Result<(), NodeError> {
+        let device = self.disconnect_only(volume, device).await?;
+        self.kernel
+            .wait_released(device.index(), RELEASE_TIMEOUT)
+            .await?;
+        Ok(())
+    }
+
+    /// DISCONNECT as in [`Node::disconnect`], without waiting for the kernel to let the device
+    /// go (a fenced device stays held by its mounts until they are unmounted).
+    pub(crate) async fn disconnect_only(
+        &self,
+        volume: &str,
+        device: &ProvenDevice,
+    ) -> Result<ProvenDevice, NodeError> {
         // Cleared however this ends: a marker left behind would stop healing for good.
         let _detaching = Detaching::mark(self, volume);
         // The link lock only waits out a RECONFIGURE already under way: every later one sees
@@ -325,10 +368,7 @@ impl Node {
             self.kernel.prove(device.index(), device.identifier())?
         };
         self.kernel.disconnect(&device).await?;
-        self.kernel
-            .wait_released(device.index(), RELEASE_TIMEOUT)
-            .await?;
-        Ok(())
+        Ok(device)
     }
 
     /// Puts the `none` I/O scheduler back on a device of ours where someone changed it: with
@@ -382,6 +422,7 @@ impl Node {
             deadline: self.settings.dial_timeout,
             connections: export.connections,
             tls,
+            grant: export.grant.clone(),
         })
     }
 
@@ -420,7 +461,7 @@ impl Drop for Detaching<'_> {
 fn count_down(links: &HashMap<String, Link>) -> usize {
     links
         .values()
-        .filter(|l| matches!(l, Link::Down { .. }))
+        .filter(|l| matches!(l, Link::Down { .. } | Link::Fenced { .. }))
         .count()
 }
 

@@ -58,6 +58,20 @@ pub struct Record {
     /// before it was.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attached_with: Option<AttachedWith>,
+    /// The export's server refused this node's grant: the volume was published elsewhere.
+    /// Never healed or attached again under this record; NodeUnpublish and NodeUnstage
+    /// clean up what is left (see [`crate::fence`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fenced: Option<Fenced>,
+}
+
+/// When and why a volume was fenced on this node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Fenced {
+    /// Seconds since the Unix epoch.
+    pub at: u64,
+    /// The server's refusal, as it worded it.
+    pub refusal: String,
 }
 
 /// The export's transmission flags and the device's connection count at CONNECT.
@@ -87,6 +101,10 @@ pub struct Export {
     /// default TLS settings when `None`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tls_profile: Option<String>,
+    /// The node's fencing grant from ControllerPublishVolume (see [`nbd::grant`]): a
+    /// credential, kept only here and in the root-only journal.
+    #[serde(default, skip_serializing_if = "Option::is_none", with = "grant")]
+    pub grant: Option<nbd::Grant>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -240,6 +258,7 @@ impl Record {
             tcp: Vec::new(),
             tls: None,
             attached_with: None,
+            fenced: None,
         }
     }
 
@@ -271,6 +290,7 @@ impl Record {
             tcp: Vec::new(),
             tls: None,
             attached_with: None,
+            fenced: None,
         }
     }
 
@@ -324,6 +344,24 @@ mod backend_id {
     }
 }
 
+/// A grant as the journal keeps it: its token, or nothing.
+mod grant {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(grant: &Option<nbd::Grant>, s: S) -> Result<S::Ok, S::Error> {
+        match grant {
+            Some(g) => s.serialize_some(g.token()),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<nbd::Grant>, D::Error> {
+        Option::<String>::deserialize(d)?
+            .map(|t| nbd::Grant::new(t).map_err(serde::de::Error::custom))
+            .transpose()
+    }
+}
+
 /// A [`DeviceIndex`] as the journal keeps it: `N` of `/dev/nbdN`, or null.
 mod device_index {
     use nbd::DeviceIndex;
@@ -373,6 +411,7 @@ mod tests {
                 uri: "nbd://h:10809/x".into(),
                 connections: 2,
                 tls_profile: None,
+                grant: Some(nbd::Grant::new("0f3a9c").unwrap()),
             }),
             device: Some(DeviceIndex(3)),
             staging_path: Some("/stage".into()),
@@ -396,8 +435,16 @@ mod tests {
                 flags: 0x010d,
                 connections: 2,
             }),
+            fenced: Some(Fenced {
+                at: 1_796_000_000,
+                refusal: "no live grant".into(),
+            }),
         };
         let json = serde_json::to_value(&r).unwrap();
+        // The journal keeps the grant's token (healing dials with it); Debug never shows it.
+        assert_eq!(json["export"]["grant"], "0f3a9c");
+        assert!(!format!("{r:?}").contains("0f3a9c"));
+        assert_eq!(json["fenced"]["refusal"], "no live grant");
         assert_eq!(json["attached_with"]["flags"], 0x010d);
         assert_eq!(json["attached_with"]["connections"], 2);
         assert_eq!(json["phase"]["step"], "expanding");

@@ -37,7 +37,7 @@ pub enum RequestError {
     #[error("{field} {raw:?} must not contain . or .. components")]
     DotComponents { field: &'static str, raw: String },
     #[error(
-        "unknown key {key:?} in {context} (this driver reads {KEY_NBD_URI}, {KEY_NBD_CONNECTIONS} and {KEY_TLS_PROFILE})"
+        "unknown key {key:?} in {context} (this driver reads {KEY_NBD_URI}, {KEY_NBD_CONNECTIONS}, {KEY_TLS_PROFILE} and {KEY_NBD_GRANT})"
     )]
     UnknownContextKey { key: String, context: &'static str },
     #[error("no {KEY_NBD_URI} in the publish or volume context")]
@@ -55,6 +55,11 @@ pub enum RequestError {
     TlsProfileOnPlaintext { profile: String, uri: String },
     #[error("{KEY_TLS_PROFILE} {profile:?} is not a profile name")]
     BadTlsProfile { profile: String },
+    /// The token is not shown: it is a credential.
+    #[error("{KEY_NBD_GRANT} in the publish context: {0}")]
+    BadGrant(#[source] nbd::grant::BadGrant),
+    #[error("{KEY_NBD_GRANT} is in the volume context: a grant comes from ControllerPublishVolume, in the publish context")]
+    GrantInVolumeContext,
     #[error("capacity_range.required_bytes must not be negative")]
     NegativeCapacity,
 }
@@ -63,6 +68,9 @@ pub enum RequestError {
 pub const KEY_NBD_URI: &str = "nbdUri";
 pub const KEY_NBD_CONNECTIONS: &str = "nbdConnections";
 pub const KEY_TLS_PROFILE: &str = "tlsProfile";
+/// The node's fencing grant; only ControllerPublishVolume makes one, so only the publish
+/// context carries it.
+pub const KEY_NBD_GRANT: &str = "nbdGrant";
 
 /// Key prefixes others put in the volume context, which are accepted and ignored: Kubernetes'
 /// own (`csi.storage.k8s.io/…`, `storage.kubernetes.io/…`) and the controller's.
@@ -197,7 +205,13 @@ pub fn export(
         ("volume_context", volume_context),
     ] {
         for key in ctx.keys() {
-            let known = [KEY_NBD_URI, KEY_NBD_CONNECTIONS, KEY_TLS_PROFILE].contains(&key.as_str());
+            let known = [
+                KEY_NBD_URI,
+                KEY_NBD_CONNECTIONS,
+                KEY_TLS_PROFILE,
+                KEY_NBD_GRANT,
+            ]
+            .contains(&key.as_str());
             if !known && !FOREIGN_PREFIXES.iter().any(|p| key.starts_with(p)) {
                 return Err(RequestError::UnknownContextKey {
                     key: key.clone(),
@@ -233,10 +247,19 @@ pub fn export(
         }
         Some(p) => Some(p.clone()),
     };
+    if volume_context.contains_key(KEY_NBD_GRANT) {
+        return Err(RequestError::GrantInVolumeContext);
+    }
+    let grant = publish_context
+        .get(KEY_NBD_GRANT)
+        .map(|t| nbd::Grant::new(t.as_str()))
+        .transpose()
+        .map_err(RequestError::BadGrant)?;
     Ok(Export {
         uri: uri.to_string(),
         connections,
         tls_profile,
+        grant,
     })
 }
 
@@ -406,6 +429,32 @@ mod tests {
         ] {
             assert!(export(&ctx(&[]), &bad).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn a_grant_comes_from_the_publish_context_only() {
+        let e = export(
+            &ctx(&[("nbdGrant", "0f3a9c")]),
+            &ctx(&[("nbdUri", "nbd://h/x")]),
+        )
+        .unwrap();
+        assert_eq!(e.grant.as_ref().map(|g| g.token()), Some("0f3a9c"));
+        let e = export(&ctx(&[]), &ctx(&[("nbdUri", "nbd://h/x")])).unwrap();
+        assert!(e.grant.is_none());
+        let misplaced = export(
+            &ctx(&[]),
+            &ctx(&[("nbdUri", "nbd://h/x"), ("nbdGrant", "0f3a9c")]),
+        )
+        .unwrap_err();
+        assert!(matches!(misplaced, RequestError::GrantInVolumeContext));
+        // A token that could split the export name is refused, and not echoed back.
+        let bad = export(
+            &ctx(&[("nbdUri", "nbd://h/x"), ("nbdGrant", "s3cret@x")]),
+            &ctx(&[]),
+        )
+        .unwrap_err();
+        assert!(matches!(bad, RequestError::BadGrant(_)), "{bad:?}");
+        assert!(!bad.to_string().contains("s3cret"), "{bad}");
     }
 
     #[test]

@@ -286,6 +286,7 @@ fn volume_problems(r: &Record, index: DeviceIndex, table: &MountTable, problems:
     if r.phase() != Phase::Staged {
         problems.push(format!("stopped at step {}", step_name(r.phase())));
     }
+    fenced_problem(r, problems);
     if let (Access::Mount { .. }, Some(staging), Phase::Staged) =
         (&r.access, &r.staging_path, r.phase())
     {
@@ -303,8 +304,19 @@ fn volume_problems(r: &Record, index: DeviceIndex, table: &MountTable, problems:
     }
 }
 
+/// A fenced volume is a problem until NodeUnstage has cleaned it up.
+fn fenced_problem(r: &Record, problems: &mut Vec<String>) {
+    if let Some(f) = &r.fenced {
+        problems.push(format!(
+            "fenced (the export refused this node's grant: {}); it was unpublished from this node, so unpublish and unstage it here",
+            f.refusal
+        ));
+    }
+}
+
 fn record_row(r: &Record) -> RecordRow {
     let mut problems = Vec::new();
+    fenced_problem(r, &mut problems);
     match (r.phase(), r.device) {
         // An attach interrupted before CONNECT: recovery or the next NodeStage clears it.
         (Phase::Attaching, None) => {}
@@ -542,6 +554,7 @@ mod tests {
             uri: "nbds://h:10809/x".into(),
             connections: 1,
             tls_profile: None,
+            grant: None,
         });
         r.tls = Some("TLSv1_3 TLS13_AES_256_GCM_SHA384".into());
         assert_eq!(

@@ -137,6 +137,8 @@ fn code(rpc: Rpc, e: &NodeError) -> Code {
         // Spec, NodeGetVolumeStats and NodeExpandVolume: the path is not the volume's.
         N::NotAtPath { .. } => Code::NotFound,
         N::NotStagedYet { .. } | N::WrongStagingPath { .. } => Code::FailedPrecondition,
+        // Not retried into anything: the CO must unpublish and unstage it first.
+        N::Fenced { .. } => Code::FailedPrecondition,
         N::OtherCapability { .. } => match rpc {
             // Spec, NodeStageVolume: "Volume published but is incompatible", ALREADY_EXISTS.
             Rpc::NodeStage => Code::AlreadyExists,

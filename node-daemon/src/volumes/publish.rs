@@ -69,6 +69,12 @@ impl Node {
     pub async fn publish(&self, req: PublishRequest) -> Result<(), NodeError> {
         let _guard = self.begin_call(&req.volume).await?;
         let mut record = self.staged_record(&req.volume)?;
+        if record.fenced.is_some() {
+            return Err(NodeError::Fenced {
+                volume: req.volume.to_string(),
+                targets: crate::node::paths(&record.targets),
+            });
+        }
         // An expansion a retry will resume leaves the volume mounted at its old size: usable.
         if !matches!(record.phase(), Phase::Staged | Phase::Expanding { .. }) {
             return Err(NodeError::NotStagedYet {

@@ -152,6 +152,19 @@ impl Node {
                 self.run_unstage(r).await?;
                 None
             }
+            // A fenced stage serves no pod any more: it is cleared, and the volume staged
+            // anew with this call's grant. One that pods still use is theirs to unpublish.
+            Some(r) if r.fenced.is_some() => {
+                if !r.targets.is_empty() {
+                    return Err(NodeError::Fenced {
+                        volume: req.volume.to_string(),
+                        targets: crate::node::paths(&r.targets),
+                    });
+                }
+                tracing::info!(volume = %req.volume, "staging a fenced volume anew: clearing what was left of it first");
+                self.run_unstage(r).await?;
+                None
+            }
             other => other,
         };
         // Only what this call began may be undone: a record that was already there may be
@@ -283,13 +296,14 @@ impl Node {
                 }
                 .into())
             }
-            Some(e) if e.tls_profile != req.export.tls_profile => {
-                // The profile names where the files of the next dial are, nothing attached
-                // now: the CO's current word is taken (a controller upgraded to name it),
-                // if this node defines it.
+            Some(e) if e.tls_profile != req.export.tls_profile || e.grant != req.export.grant => {
+                // The profile names where the files of the next dial are, and the grant what
+                // the next dial proves, nothing attached now: the CO's current word is taken
+                // (a controller upgraded to name them), if this node defines the profile.
                 self.dial_options(&req.export)?;
                 if let Some(e) = record.export.as_mut() {
                     e.tls_profile = req.export.tls_profile.clone();
+                    e.grant = req.export.grant.clone();
                 }
                 self.save(&record)?;
             }
@@ -749,7 +763,9 @@ impl Node {
         }
         fail::fail_point!("unstage-after-unmount");
         if let Some(device) = self.proven_device(&record)? {
-            if record.access.is_block() {
+            // A fenced device is disconnected: a flush can only fail, and nothing it held may
+            // reach the export anyway.
+            if record.access.is_block() && record.fenced.is_none() {
                 let dev = self.kernel.dev_path(device.index());
                 let tools = Arc::clone(&self.tools);
                 off_runtime("flush", move || Ok(tools.flush(&dev)?)).await?;

@@ -86,6 +86,12 @@ impl Node {
         }
         Ok(match self.link(&record.volume_id) {
             Link::Up => (false, format!("attached as {index}, connected")),
+            Link::Fenced { refusal } => (
+                true,
+                format!(
+                    "fenced: the export refused this node's grant ({refusal}); the volume was unpublished from this node and may be in use elsewhere. {index} is disconnected and its I/O fails; unpublish and unstage it here"
+                ),
+            ),
             Link::Down { since, last_error } => (
                 true,
                 format!(

@@ -121,6 +121,22 @@ impl NodeDaemon {
         }
     }
 
+    /// Stops (`SIGSTOP`) or resumes (`SIGCONT`) the running daemon: a node that is cut off
+    /// hears nothing and does nothing, then comes back with all its state.
+    pub fn freeze(&self, frozen: bool) {
+        let child = self.child.as_ref().expect("the daemon is not running");
+        let pid = libc::pid_t::try_from(child.id()).expect("a pid fits pid_t");
+        let signal = if frozen { libc::SIGSTOP } else { libc::SIGCONT };
+        // SAFETY: kill(2) takes plain integers; `pid` is our own child, not yet reaped.
+        let rc = unsafe { libc::kill(pid, signal) };
+        assert_eq!(
+            rc,
+            0,
+            "signalling the daemon: {}",
+            io::Error::last_os_error()
+        );
+    }
+
     /// SIGKILL, as a crash or the OOM killer would.
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
