@@ -479,12 +479,15 @@ impl Node {
                 let uri = export_uri(&export)?;
                 let mut opts = self.attach_options(record.identifier.clone(), &export)?;
                 opts.read_only = record.mode.read_only();
+                let began = std::time::Instant::now();
                 let dialed = self.kernel.dial(&uri, &opts.dial).await?;
+                let dialed_at = began.elapsed();
                 check_export_size(&record.volume_id, dialed.info.size)?;
                 // Written ahead: the record, and the connections' addresses (what lets a later
                 // daemon replace them), are journaled before the kernel gets the sockets.
                 record.tcp = tcp_pairs(&dialed.sockets);
                 self.save_with_connections(record)?;
+                let journaled_at = began.elapsed();
                 fail::fail_point!("stage-before-connect");
                 crate::failpoints::pause("stage-before-connect").await;
                 let attached = self
@@ -493,11 +496,15 @@ impl Node {
                     .await
                     .map_err(no_free_device)?;
                 record.tls = attached.info.tls.map(|t| t.to_string());
+                // Where an attach's time went, for an operator looking at a slow one.
                 tracing::info!(
                     volume = %record.volume_id,
                     device = %attached.device.index(),
                     connections = attached.sockets.len(),
                     encryption = record.tls.as_deref().unwrap_or("none"),
+                    dial_ms = crate::healer::millis(dialed_at),
+                    journal_ms = crate::healer::millis(journaled_at - dialed_at),
+                    connect_ms = crate::healer::millis(began.elapsed() - journaled_at),
                     "attached"
                 );
                 record.device = Some(attached.device.index());
