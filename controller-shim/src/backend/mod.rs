@@ -3,6 +3,7 @@
 
 pub mod connections;
 pub mod error;
+pub mod grants;
 pub mod local;
 pub mod ustor;
 
@@ -12,6 +13,7 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 pub use error::BackendError;
+pub use grants::{Grant, GrantToken};
 
 /// What a new volume is filled from.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -1,5 +1,9 @@
 //! The local backend's export server: nbdkit's file plugin serving the image directory, one
 //! export per image file, supervised (restarted if it exits) for a single-machine setup.
+//!
+//! - [`sessions`]: the open connections of each grant, which a revoke cuts.
+
+pub mod sessions;
 
 use std::path::PathBuf;
 use std::time::Duration;
