@@ -25,12 +25,9 @@ use tonic::Code;
 
 const MIB: i64 = 1 << 20;
 
-async fn controller(
-    server: &FakeUstor,
-    password: &str,
-) -> (ControllerClient<Channel>, tempfile::TempDir) {
-    let dir = tempfile::tempdir().unwrap();
-    let creds = dir.path().join("credentials");
+/// The uStor backend logging in to `server` as `csi` with `password` (kept under `dir`).
+fn backend(server: &FakeUstor, dir: &std::path::Path, password: &str) -> UstorBackend {
+    let creds = dir.join("credentials");
     std::fs::create_dir_all(&creds).unwrap();
     std::fs::write(creds.join("username"), "csi").unwrap();
     std::fs::write(creds.join("password"), password).unwrap();
@@ -42,7 +39,15 @@ async fn controller(
         Arc::new(Instant::now),
     )
     .unwrap();
-    let backend = UstorBackend::new(Arc::new(api), "data");
+    UstorBackend::new(Arc::new(api), "data")
+}
+
+async fn controller(
+    server: &FakeUstor,
+    password: &str,
+) -> (ControllerClient<Channel>, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let backend = backend(server, dir.path(), password);
     let (client, _server) =
         common::serve_controller(dir.path(), Arc::new(backend), "test", None, None).await;
     (client, dir)
@@ -347,4 +352,83 @@ async fn restores_and_clones_through_the_connections_are_idempotent() {
         ],
         "one image each, none orphaned"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publications_hold_ustor_grants() {
+    use controller_shim::backend::Backend;
+    let server = FakeUstor::start().await.unwrap();
+    server.set_user("csi", "pw", None);
+    let (mut c, _dir) = controller(&server, "pw").await;
+    let cap = block_capability(Mode::MultiNodeMultiWriter);
+    let mut request = create_volume_request("vm-1", 100 * MIB, cap.clone());
+    request.parameters.insert("pool".into(), "data".into());
+    let v = created_volume(&mut c, request).await;
+    let key = "data/test-vm-1";
+    let publish = |node: &str| controller_publish_request(&v.volume_id, node, cap.clone());
+
+    let context = |node: &str| {
+        let request = publish(node);
+        let mut c = c.clone();
+        async move {
+            c.controller_publish_volume(request)
+                .await
+                .unwrap()
+                .into_inner()
+                .publish_context
+        }
+    };
+    let ctx = context("node-a").await;
+    let token = server.grant_token(key, "node-a").expect("granted in uStor");
+    assert_eq!(ctx["nbdGrant"], token, "the token uStor issued");
+    assert_eq!(
+        ctx["nbdUri"], v.volume_context["nbdUri"],
+        "the URI carries no token"
+    );
+    assert_eq!(context("node-a").await["nbdGrant"], token, "idempotent");
+    context("node-b").await;
+    let b = server.grant_token(key, "node-b").unwrap();
+    assert_ne!(b, token);
+
+    c.controller_unpublish_volume(controller_unpublish_request(&v.volume_id, "node-a"))
+        .await
+        .unwrap();
+    assert_eq!(server.grant_token(key, "node-a"), None, "revoked in uStor");
+    assert_eq!(
+        server.grant_token(key, "node-b"),
+        Some(b),
+        "node-b keeps its grant"
+    );
+    c.controller_unpublish_volume(controller_unpublish_request(&v.volume_id, "node-a"))
+        .await
+        .unwrap();
+
+    // A grant without a publication (a crash between the two) is revoked by an unpublish
+    // of every node all the same.
+    let dir = tempfile::tempdir().unwrap();
+    let backend = backend(&server, dir.path(), "pw");
+    let stray = backend.grant(key, "node c/1", true).await.unwrap();
+    assert_eq!(
+        server.grant_token(key, "node c/1").as_deref(),
+        Some(stray.expose()),
+        "a node id that is no path segment is encoded"
+    );
+    let mut nodes = backend.granted_nodes(key).await.unwrap();
+    nodes.sort();
+    assert_eq!(
+        nodes,
+        ["node c/1", "node-b"],
+        "listed by uStor, without tokens"
+    );
+    c.controller_unpublish_volume(controller_unpublish_request(&v.volume_id, ""))
+        .await
+        .unwrap();
+    assert_eq!(
+        backend.granted_nodes(key).await.unwrap(),
+        Vec::<String>::new()
+    );
+    backend.revoke(key, "node-a").await.unwrap();
+    c.delete_volume(delete_volume_request(&v.volume_id))
+        .await
+        .unwrap();
 }

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use super::ustor::api::UstorApi;
 use super::ustor::backend::UstorBackend;
-use super::{Backend, BackendError, SnapshotMeta, VolumeMeta};
+use super::{Backend, BackendError, GrantToken, SnapshotMeta, VolumeMeta};
 use crate::ids::valid_connection;
 
 /// Why a call found no uStor connection to go to.
@@ -202,6 +202,26 @@ impl Backend for ConnectionsBackend {
     async fn grow_volume(&self, key: &str, size: u64) -> Result<(), BackendError> {
         let (backend, rest) = self.route(key)?;
         backend.grow_volume(rest, size).await
+    }
+
+    async fn grant(
+        &self,
+        key: &str,
+        node: &str,
+        readonly: bool,
+    ) -> Result<GrantToken, BackendError> {
+        let (backend, rest) = self.route(key)?;
+        backend.grant(rest, node, readonly).await
+    }
+
+    async fn revoke(&self, key: &str, node: &str) -> Result<(), BackendError> {
+        let (backend, rest) = self.route(key)?;
+        backend.revoke(rest, node).await
+    }
+
+    async fn granted_nodes(&self, key: &str) -> Result<Vec<String>, BackendError> {
+        let (backend, rest) = self.route(key)?;
+        backend.granted_nodes(rest).await
     }
 
     async fn snapshot(&self, key: &str) -> Result<Option<SnapshotMeta>, BackendError> {

@@ -4,23 +4,30 @@
 //! ```text
 //! <dir>/images/<image>        volume data, exported as nbd://host:port/<image>
 //! <dir>/snapshots/<image>     snapshot data (not exported)
-//! <dir>/meta/<kind>-<image>.json   what was asked for, publications
+//! <dir>/meta/<kind>-<image>.json   what was asked for, publications, grants
 //! ```
+//!
+//! Grants are kept with the volume's metadata; a revoke cuts the grant's connections
+//! registered in the shared [`Sessions`].
 //!
 //! Snapshots and clones are reflink copies where the filesystem supports them (FICLONE), and
 //! sparse copies otherwise: either way an independent file, so deleting a volume never
 //! invalidates its snapshots and restoring never changes the snapshot.
 
+use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use super::{Backend, BackendError, SnapshotMeta, Source, VolumeMeta};
+use super::grants::NoRandom;
+use super::{Backend, BackendError, Grant, GrantToken, SnapshotMeta, Source, VolumeMeta};
+use crate::exports::sessions::Sessions;
 
 /// A step of the local backend that failed, with the file it was about.
 #[derive(Debug, thiserror::Error)]
@@ -59,6 +66,12 @@ pub enum LocalError {
         path: PathBuf,
         source: nix::errno::Errno,
     },
+    #[error("backend: grant of {image} to {node}: {source}")]
+    Token {
+        image: String,
+        node: String,
+        source: NoRandom,
+    },
 }
 
 /// For `map_err`: the failed `op` on `path`, told apart when the disk is full.
@@ -81,6 +94,8 @@ pub struct LocalBackend {
     root: PathBuf,
     /// `host:port` nodes reach the export server at.
     export_address: String,
+    /// The export server's open connections, by grant.
+    sessions: Arc<Sessions>,
 }
 
 impl LocalBackend {
@@ -92,7 +107,28 @@ impl LocalBackend {
         Ok(Self {
             root: root.to_owned(),
             export_address: export_address.to_owned(),
+            sessions: Arc::default(),
         })
+    }
+
+    /// The export server's open connections, by grant.
+    pub fn sessions(&self) -> Arc<Sessions> {
+        Arc::clone(&self.sessions)
+    }
+
+    /// The grants stored with `image`'s metadata (none without it).
+    fn stored_grants(&self, image: &str) -> Result<BTreeMap<String, Grant>, LocalError> {
+        Ok(self
+            .read_meta::<VolumeMeta>("volume", image)?
+            .map(|m| m.grants)
+            .unwrap_or_default())
+    }
+
+    fn existing_meta(&self, image: &str) -> Result<VolumeMeta, LocalError> {
+        self.read_meta("volume", image)?
+            .ok_or_else(|| LocalError::NoMetadata {
+                image: image.to_owned(),
+            })
     }
 
     /// The directory nbdkit serves.
@@ -267,8 +303,14 @@ impl Backend for LocalBackend {
         Ok(())
     }
 
+    /// The grants stored stay: they are this backend's, changed by grant and revoke only.
     async fn update_volume(&self, image: &str, meta: &VolumeMeta) -> Result<(), BackendError> {
-        Ok(self.write_meta("volume", image, meta)?)
+        let grants = self.existing_meta(image)?.grants;
+        let meta = VolumeMeta {
+            grants,
+            ..meta.clone()
+        };
+        Ok(self.write_meta("volume", image, &meta)?)
     }
 
     async fn delete_volume(&self, image: &str) -> Result<(), BackendError> {
@@ -289,13 +331,54 @@ impl Backend for LocalBackend {
                 Ok(())
             })
             .map_err(io("grow", &path))?;
-        let mut meta: VolumeMeta =
-            self.read_meta("volume", image)?
-                .ok_or_else(|| LocalError::NoMetadata {
-                    image: image.to_owned(),
-                })?;
+        let mut meta = self.existing_meta(image)?;
         meta.size = meta.size.max(size);
         Ok(self.write_meta("volume", image, &meta)?)
+    }
+
+    async fn grant(
+        &self,
+        image: &str,
+        node: &str,
+        readonly: bool,
+    ) -> Result<GrantToken, BackendError> {
+        let mut meta = self.existing_meta(image)?;
+        if let Some(live) = meta.grants.get(node) {
+            return Ok(live.token.clone());
+        }
+        let token = GrantToken::generate().map_err(|source| LocalError::Token {
+            image: image.to_owned(),
+            node: node.to_owned(),
+            source,
+        })?;
+        meta.grants.insert(
+            node.to_owned(),
+            Grant {
+                token: token.clone(),
+                readonly,
+            },
+        );
+        // Written before it is answered: a token given out is one the gate admits.
+        self.write_meta("volume", image, &meta)?;
+        tracing::info!(image, node, readonly, "grant made");
+        Ok(token)
+    }
+
+    /// The grant is removed first, so the gate admits no new connection of it, then its open
+    /// ones are cut.
+    async fn revoke(&self, image: &str, node: &str) -> Result<(), BackendError> {
+        if let Some(mut meta) = self.read_meta::<VolumeMeta>("volume", image)? {
+            if meta.grants.remove(node).is_some() {
+                self.write_meta("volume", image, &meta)?;
+            }
+        }
+        let cut = self.sessions.cut(image, node).await;
+        tracing::info!(image, node, connections_cut = cut, "grant revoked");
+        Ok(())
+    }
+
+    async fn granted_nodes(&self, image: &str) -> Result<Vec<String>, BackendError> {
+        Ok(self.stored_grants(image)?.into_keys().collect())
     }
 
     async fn snapshot(&self, image: &str) -> Result<Option<SnapshotMeta>, BackendError> {
@@ -346,7 +429,7 @@ impl Backend for LocalBackend {
 
     async fn capacity(
         &self,
-        _parameters: &std::collections::BTreeMap<String, String>,
+        _parameters: &BTreeMap<String, String>,
     ) -> Result<Option<u64>, BackendError> {
         let s = nix::sys::statvfs::statvfs(&self.root).map_err(|source| LocalError::FreeSpace {
             path: self.root.clone(),

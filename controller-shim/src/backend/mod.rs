@@ -51,6 +51,10 @@ pub struct VolumeMeta {
     /// Node id → published read-only.
     #[serde(default)]
     pub published: BTreeMap<String, bool>,
+    /// Node id → its live grant, where the backend keeps grants with the volume (local);
+    /// the backend's own: [`Backend::update_volume`] keeps what is stored.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub grants: BTreeMap<String, Grant>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -112,6 +116,20 @@ pub trait Backend: Send + Sync + fmt::Debug {
     async fn delete_volume(&self, image: &str) -> Result<(), BackendError>;
     /// Grows the image; never shrinks.
     async fn grow_volume(&self, image: &str, size: u64) -> Result<(), BackendError>;
+
+    /// Lets `node` open exports of `image`: the token it presents. Idempotent: while the
+    /// grant is live, the same token. Stored before it is answered.
+    async fn grant(
+        &self,
+        image: &str,
+        node: &str,
+        readonly: bool,
+    ) -> Result<GrantToken, BackendError>;
+    /// Ends `node`'s grant of `image`; returns only once that grant's open NBD connections
+    /// are cut. Idempotent.
+    async fn revoke(&self, image: &str, node: &str) -> Result<(), BackendError>;
+    /// The nodes holding a live grant of `image`.
+    async fn granted_nodes(&self, image: &str) -> Result<Vec<String>, BackendError>;
 
     async fn snapshot(&self, image: &str) -> Result<Option<SnapshotMeta>, BackendError>;
     async fn create_snapshot(&self, image: &str, meta: &SnapshotMeta) -> Result<(), BackendError>;

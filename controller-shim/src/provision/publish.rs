@@ -1,6 +1,10 @@
 //! ControllerPublishVolume / ControllerUnpublishVolume: which nodes a volume is published to
 //! is recorded with the volume (nothing is attached here: the node daemon attaches), so the
-//! access mode's one-node rule holds across nodes.
+//! access mode's one-node rule holds across nodes. Each publication also holds a grant of
+//! the backend (storage-side fencing): the node presents its token when it dials, and a
+//! node unpublished cannot open the export any more, even cut off from the cluster.
+
+use std::collections::BTreeSet;
 
 use csi_common::capability;
 use csi_proto::csi::*;
@@ -8,6 +12,9 @@ use csi_proto::csi::*;
 use super::{volume_lock, Provisioner, VolumeError};
 use crate::error::Error;
 use crate::request::{self, require, RequestError};
+
+/// The publish context key of the grant token; the node dials `<export>@<token>`.
+pub const GRANT_KEY: &str = "nbdGrant";
 
 /// Which CSI nodes of this driver exist (in Kubernetes: CSINode objects naming it).
 pub trait Nodes: Send + Sync + std::fmt::Debug {
@@ -63,7 +70,10 @@ impl Provisioner {
                 self.backend.update_volume(&h.image, &meta).await?;
             }
         }
-        let context = self.export_context(&h.image, &meta).await?;
+        // After the publication is recorded: a grant never outlives what unpublish revokes.
+        let token = self.backend.grant(&h.image, &r.node_id, r.readonly).await?;
+        let mut context = self.export_context(&h.image, &meta).await?;
+        context.insert(GRANT_KEY.to_owned(), token.expose().to_owned());
         Ok(ControllerPublishVolumeResponse {
             publish_context: context,
         })
@@ -77,6 +87,17 @@ impl Provisioner {
         let _locked = self.images.lock(&volume_lock(&h.image)).await;
         // A volume or node that is gone is unpublished: OK, per the spec's idempotency rule.
         if let Some(mut meta) = self.backend.volume(&h.image).await? {
+            // Revoked first: a failed revoke leaves the publication, and the CO retries.
+            let nodes = if r.node_id.is_empty() {
+                let mut nodes: BTreeSet<String> = meta.published.keys().cloned().collect();
+                nodes.extend(self.backend.granted_nodes(&h.image).await?);
+                nodes
+            } else {
+                BTreeSet::from([r.node_id.clone()])
+            };
+            for node in &nodes {
+                self.backend.revoke(&h.image, node).await?;
+            }
             let removed = if r.node_id.is_empty() {
                 std::mem::take(&mut meta.published).len()
             } else {

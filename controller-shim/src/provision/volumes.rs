@@ -105,6 +105,7 @@ impl Provisioner {
             parameters,
             source,
             published: BTreeMap::new(),
+            grants: BTreeMap::new(),
         };
         self.backend.create_volume(&image, &meta).await?;
         tracing::info!(%image, size, "volume created");

@@ -141,7 +141,8 @@ fn local(e: &LocalError) -> Code {
         | LocalError::BadMetadata { .. }
         | LocalError::EncodeMetadata { .. }
         | LocalError::Worker(_)
-        | LocalError::FreeSpace { .. } => Code::Internal,
+        | LocalError::FreeSpace { .. }
+        | LocalError::Token { .. } => Code::Internal,
     }
 }
 
@@ -175,6 +176,7 @@ pub fn ustor_code(e: &UstorError) -> Code {
         | UstorError::LoginAnswer(_)
         | UstorError::HttpClient(_)
         | UstorError::BadLabel { .. }
+        | UstorError::NoGrantToken { .. }
         | UstorError::EncodeLabel(_) => Code::Internal,
     }
 }

@@ -1,9 +1,9 @@
 //! An in-repo server implementing exactly the uStor management API contract of
-//! `controller-shim/USTOR_API.md` (login, pools, images, snapshots), in memory, over plain
+//! `controller-shim/USTOR_API.md` (login, pools, images, snapshots, grants), in memory, over plain
 //! HTTP on loopback. Tests steer it: which users exist and why a login is refused, token
 //! expiry, and they read how many logins reached it.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -12,7 +12,7 @@ use axum::extract::{Path, Request, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{get, post, put};
 use axum::{Json, Router};
 use serde_json::{json, Value};
 
@@ -23,10 +23,15 @@ struct Inner {
     tokens: Mutex<Vec<String>>,
     images: Mutex<HashMap<String, Value>>,
     snapshots: Mutex<HashMap<String, Value>>,
+    /// Image key → node → its grant. It serves no NBD, so a revoke has nothing to cut.
+    grants: Mutex<HashMap<String, BTreeMap<String, FakeGrant>>>,
     logins: AtomicUsize,
     /// New images' NBD endpoints require TLS.
     nbd_tls: std::sync::atomic::AtomicBool,
 }
+
+/// (read-only, token).
+type FakeGrant = (bool, String);
 
 #[derive(Debug, Clone)]
 pub struct FakeUstor {
@@ -56,6 +61,14 @@ impl FakeUstor {
             .route(
                 "/api/v1/pools/{pool}/images/{name}/snapshots",
                 post(create_snapshot),
+            )
+            .route(
+                "/api/v1/pools/{pool}/images/{name}/grants",
+                get(list_grants),
+            )
+            .route(
+                "/api/v1/pools/{pool}/images/{name}/grants/{node}",
+                put(put_grant).delete(delete_grant),
             )
             .route("/api/v1/pools/{pool}/snapshots", get(list_snapshots))
             .route(
@@ -111,6 +124,17 @@ impl FakeUstor {
             .collect();
         keys.sort();
         keys
+    }
+
+    /// The token of `node`'s live grant of image `key` (`<pool>/<image>`).
+    pub fn grant_token(&self, key: &str, node: &str) -> Option<String> {
+        self.inner
+            .grants
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(key)?
+            .get(node)
+            .map(|(_, token)| token.clone())
     }
 
     /// Images created from now on are served over TLS (their `nbd.tls` is true).
@@ -263,7 +287,85 @@ async fn patch_image(
 }
 
 async fn delete_image(State(s): St, Path((pool, name)): Path<(String, String)>) -> Response {
-    take(&s.images, &format!("{pool}/{name}"), "image")
+    let key = format!("{pool}/{name}");
+    s.grants
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(&key);
+    take(&s.images, &key, "image")
+}
+
+/// 128 random bits as hex, as the contract's tokens are.
+fn new_token() -> String {
+    use ring::rand::SecureRandom;
+    let mut bytes = [0u8; 16];
+    ring::rand::SystemRandom::new()
+        .fill(&mut bytes)
+        .unwrap_or_default();
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// 404 when there is no image `key`.
+fn no_image(s: &Inner, key: &str) -> Option<Response> {
+    let images = s.images.lock().unwrap_or_else(|p| p.into_inner());
+    (!images.contains_key(key)).then(|| error(StatusCode::NOT_FOUND, "NotFound", "no such image"))
+}
+
+async fn put_grant(
+    State(s): St,
+    Path((pool, name, node)): Path<(String, String, String)>,
+    Json(body): Json<Value>,
+) -> Response {
+    let key = format!("{pool}/{name}");
+    if let Some(missing) = no_image(&s, &key) {
+        return missing;
+    }
+    let Some(read_only) = body["readOnly"].as_bool() else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "InvalidArgument",
+            "readOnly is required",
+        );
+    };
+    let mut grants = s.grants.lock().unwrap_or_else(|p| p.into_inner());
+    let (read_only, token) = grants
+        .entry(key)
+        .or_default()
+        .entry(node.clone())
+        .or_insert_with(|| (read_only, new_token()))
+        .clone();
+    Json(json!({"node": node, "readOnly": read_only, "token": token})).into_response()
+}
+
+async fn delete_grant(
+    State(s): St,
+    Path((pool, name, node)): Path<(String, String, String)>,
+) -> Response {
+    let mut grants = s.grants.lock().unwrap_or_else(|p| p.into_inner());
+    match grants
+        .get_mut(&format!("{pool}/{name}"))
+        .and_then(|g| g.remove(&node))
+    {
+        Some(_) => StatusCode::NO_CONTENT.into_response(),
+        None => error(StatusCode::NOT_FOUND, "NotFound", "no such grant"),
+    }
+}
+
+async fn list_grants(State(s): St, Path((pool, name)): Path<(String, String)>) -> Response {
+    let key = format!("{pool}/{name}");
+    if let Some(missing) = no_image(&s, &key) {
+        return missing;
+    }
+    let grants: Vec<Value> = s
+        .grants
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(&key)
+        .into_iter()
+        .flatten()
+        .map(|(node, (ro, _))| json!({"node": node, "readOnly": ro}))
+        .collect();
+    Json(json!({"grants": grants})).into_response()
 }
 
 async fn create_snapshot(

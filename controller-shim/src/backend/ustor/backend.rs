@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 
 use super::api::UstorApi;
 use super::error::UstorError;
-use crate::backend::{Backend, BackendError, SnapshotMeta, Source, VolumeMeta};
+use crate::backend::{Backend, BackendError, GrantToken, SnapshotMeta, Source, VolumeMeta};
 
 /// Sizes are whole MiB (the smallest allocation unit assumed for uStor).
 const GRANULARITY: u64 = 1 << 20;
@@ -64,6 +64,35 @@ struct Pool {
     free_bytes: u64,
 }
 
+/// uStor's answer to a grant.
+#[derive(Debug, Deserialize)]
+struct GrantAnswer {
+    token: GrantToken,
+}
+
+#[derive(Debug, Deserialize)]
+struct GrantedNode {
+    node: String,
+}
+
+#[derive(Debug, Deserialize)]
+struct Grants {
+    grants: Vec<GrantedNode>,
+}
+
+/// A node id as one segment of a path: what is not unreserved in a URI, percent-encoded
+/// (CSI node ids are the CO's, not ours to restrict).
+fn segment(node: &str) -> String {
+    node.bytes()
+        .map(|b| match b {
+            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
+                char::from(b).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
 fn split(key: &str) -> Result<(&str, &str), UstorError> {
     key.split_once('/')
         .ok_or_else(|| UstorError::KeyWithoutPool {
@@ -102,6 +131,8 @@ fn from_labels(image: &Image) -> Result<VolumeMeta, UstorError> {
         parameters: label(image, "csi.parameters")?,
         source: label(image, "csi.source")?,
         published: label(image, "csi.published")?,
+        // uStor keeps grants itself, with their tokens.
+        grants: BTreeMap::new(),
     })
 }
 
@@ -249,6 +280,47 @@ impl Backend for UstorBackend {
             &body,
         )
         .await
+    }
+
+    async fn grant(
+        &self,
+        key: &str,
+        node: &str,
+        readonly: bool,
+    ) -> Result<GrantToken, BackendError> {
+        let (pool, name) = split(key)?;
+        let path = format!(
+            "/api/v1/pools/{pool}/images/{name}/grants/{}",
+            segment(node)
+        );
+        let body = json!({"readOnly": readonly});
+        let answer: Option<GrantAnswer> = self.api.call(Method::PUT, &path, Some(&body)).await?;
+        // A grant answered without a body is no grant: nothing to present.
+        let answer = answer.ok_or_else(|| UstorError::NoGrantToken {
+            key: key.to_owned(),
+            node: node.to_owned(),
+        })?;
+        Ok(answer.token)
+    }
+
+    /// uStor cuts the grant's connections before it answers.
+    async fn revoke(&self, key: &str, node: &str) -> Result<(), BackendError> {
+        let (pool, name) = split(key)?;
+        self.delete(&format!(
+            "/api/v1/pools/{pool}/images/{name}/grants/{}",
+            segment(node)
+        ))
+        .await
+    }
+
+    async fn granted_nodes(&self, key: &str) -> Result<Vec<String>, BackendError> {
+        let (pool, name) = split(key)?;
+        let grants: Option<Grants> = self
+            .get(&format!("/api/v1/pools/{pool}/images/{name}/grants"))
+            .await?;
+        Ok(grants
+            .map(|g| g.grants.into_iter().map(|g| g.node).collect())
+            .unwrap_or_default())
     }
 
     async fn snapshot(&self, key: &str) -> Result<Option<SnapshotMeta>, BackendError> {

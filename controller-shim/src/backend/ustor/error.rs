@@ -111,6 +111,8 @@ pub enum UstorError {
     SourceInOtherPool { source_pool: String, pool: String },
     #[error("uStor image {key} does not exist")]
     ImageMissing { key: String },
+    #[error("backend: uStor answered the grant of {key} to {node} without a token")]
+    NoGrantToken { key: String, node: String },
     #[error("backend: label {key} of a uStor image: {source}")]
     BadLabel {
         key: &'static str,

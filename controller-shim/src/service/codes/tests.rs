@@ -258,6 +258,14 @@ fn any_rpc() -> Vec<(Error, Code)> {
             },
             Internal,
         ),
+        (
+            LocalError::Token {
+                image: "i".into(),
+                node: "n".into(),
+                source: crate::backend::grants::NoRandom,
+            },
+            Internal,
+        ),
     ];
     let ustor = vec![
         (
@@ -366,6 +374,13 @@ fn any_rpc() -> Vec<(Error, Code)> {
             Internal,
         ),
         (UstorError::EncodeLabel(json_error()), Internal),
+        (
+            UstorError::NoGrantToken {
+                key: "data/x".into(),
+                node: "n".into(),
+            },
+            Internal,
+        ),
     ];
     let connection = [
         (ConnectionError::NoneExists, FailedPrecondition),
