@@ -192,7 +192,8 @@ fn valid_segment(
     }
 }
 
-fn valid_image(image: &str) -> Result<(), IdError> {
+/// What an image name may be (also checked on export names the local gate is asked for).
+pub fn valid_image(image: &str) -> Result<(), IdError> {
     let ok = !image.is_empty()
         && image.len() <= 128
         && image

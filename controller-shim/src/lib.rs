@@ -8,7 +8,7 @@
 //! - [`error`]: every failure by where it happened.
 //! - [`backend`]: where images live (a local directory, one uStor cluster, every connection).
 //! - [`ids`]: the opaque, validated volume and snapshot ids.
-//! - [`exports`]: the local backend's supervised NBD server.
+//! - [`exports`]: the local backend's supervised NBD server and the grant gate in front of it.
 //! - [`kube`]: the Kubernetes glue (custom resources, StorageClasses, the node list).
 
 pub mod backend;

@@ -15,6 +15,7 @@ pub struct ControllerMetrics {
     registry: Registry,
     pub calls: CallMetrics,
     pub backend: Arc<BackendMetrics>,
+    pub gate: Arc<GateMetrics>,
 }
 
 impl Default for ControllerMetrics {
@@ -27,10 +28,17 @@ impl Default for ControllerMetrics {
             "uStor management API requests by connection, method and outcome (the gRPC code)",
             backend.requests.clone(),
         );
+        let gate = Arc::new(GateMetrics::default());
+        registry.register(
+            "grant_refusals",
+            "NBD handshakes the local export server's gate refused for want of a live grant, by reason",
+            gate.refusals.clone(),
+        );
         Self {
             registry,
             calls,
             backend,
+            gate,
         }
     }
 }
@@ -57,6 +65,23 @@ impl BackendMetrics {
                 outcome,
             })
             .inc();
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RefusalLabels {
+    pub reason: &'static str,
+}
+
+/// Handshakes of the local export server refused for want of a live grant.
+#[derive(Debug, Default)]
+pub struct GateMetrics {
+    refusals: Family<RefusalLabels, Counter>,
+}
+
+impl GateMetrics {
+    pub fn refused(&self, reason: &'static str) {
+        self.refusals.get_or_create(&RefusalLabels { reason }).inc();
     }
 }
 
@@ -123,6 +148,12 @@ mod tests {
             "{text}"
         );
         assert!(text.contains(r#"code="NotFound"} 1"#), "{text}");
+        m.gate.refused("no_grant");
+        let text = m.render();
+        assert!(
+            text.contains(r#"ustor_csi_controller_grant_refusals_total{reason="no_grant"} 1"#),
+            "{text}"
+        );
         assert!(
             text.contains(
                 r#"ustor_csi_controller_request_duration_seconds_count{method="CreateVolume"} 2"#

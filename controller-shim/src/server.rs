@@ -30,8 +30,8 @@ use crate::service::identity::IdentityService;
 /// Where volumes live.
 #[derive(Debug, Clone)]
 pub enum BackendSettings {
-    /// Image files in `dir`, exported by a supervised nbdkit on `listen` unless
-    /// `export_server` is off; nodes dial `export_address` (default: `listen`).
+    /// Image files in `dir`, exported by a supervised nbdkit behind the grant gate on
+    /// `listen` unless `export_server` is off; nodes dial `export_address` (default: `listen`).
     Local {
         dir: PathBuf,
         listen: SocketAddr,
@@ -183,11 +183,17 @@ fn open_backend(
             if export_server {
                 background.push(tokio::spawn(
                     ExportServer {
-                        images: local.images_dir(),
+                        backend: local.clone(),
                         listen,
+                        metrics: Arc::clone(&figures.gate),
                     }
                     .supervise(),
                 ));
+            } else {
+                tracing::warn!(
+                    "--no-export-server: grants are recorded but not enforced \
+                     (whatever serves the images admits any node)"
+                );
             }
             Arc::new(local)
         }

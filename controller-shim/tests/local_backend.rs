@@ -47,8 +47,9 @@ async fn start() -> Controller {
     let backend = LocalBackend::open(&root, &listen.to_string()).unwrap();
     let exports = tokio::spawn(
         ExportServer {
-            images: backend.images_dir(),
+            backend: backend.clone(),
             listen,
+            metrics: Default::default(),
         }
         .supervise(),
     );
@@ -92,8 +93,35 @@ fn image_file(c: &Controller, volume_id: &str) -> PathBuf {
         .join(volume_id.rsplit(':').next().unwrap())
 }
 
-/// The export's size as a node would see it, through a real NBD handshake.
-async fn export_size(uri: &str) -> u64 {
+/// The export's size as a node would see it, through a real NBD handshake with the grant a
+/// publication to a probe node gives (unpublished again after).
+async fn export_size(c: &mut Controller, volume_id: &str) -> u64 {
+    let uri = granted_uri(c, volume_id, "probe", ext4()).await;
+    let size = dialed_size(&uri).await.unwrap();
+    c.client
+        .controller_unpublish_volume(controller_unpublish_request(volume_id, "probe"))
+        .await
+        .unwrap();
+    size
+}
+
+/// The URI a node dials after publishing `volume_id` to `node`: the export name with the
+/// grant's token.
+async fn granted_uri(c: &Controller, volume_id: &str, node: &str, cap: VolumeCapability) -> String {
+    let published = c
+        .client
+        .clone()
+        .controller_publish_volume(controller_publish_request(volume_id, node, cap))
+        .await
+        .unwrap()
+        .into_inner()
+        .publish_context;
+    format!("{}@{}", published["nbdUri"], published["nbdGrant"])
+}
+
+/// The size of the export `uri` names, retried while the export server starts; the
+/// handshake's error once it answers.
+async fn dialed_size(uri: &str) -> Result<u64, nbd::Error> {
     let uri: nbd::NbdUri = uri.parse().unwrap();
     let started = Instant::now();
     loop {
@@ -102,14 +130,26 @@ async fn export_size(uri: &str) -> u64 {
             ..Default::default()
         };
         match nbd::dial::dial_one(&uri, &opts).await {
-            Ok((info, _)) => return info.size,
+            Ok((info, _)) => return Ok(info.size),
+            Err(e) if is_refusal(&e) => return Err(e),
             Err(e) => assert!(
                 started.elapsed() < Duration::from_secs(10),
-                "export {uri}: {e}"
+                "export {}: {e}",
+                uri.export().split('@').next().unwrap_or_default()
             ),
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+fn is_refusal(e: &nbd::Error) -> bool {
+    matches!(
+        e,
+        nbd::Error::Handshake {
+            source: nbd::handshake::HandshakeError::PolicyRefused { .. },
+            ..
+        }
+    )
 }
 
 fn write(path: &Path, offset: u64, data: &[u8]) {
@@ -139,8 +179,11 @@ async fn volume_snapshot_restore_clone_expand_delete() {
         v.accessible_topology[0].segments["topology.ustor-nbd.csi.mindsw.io/data-plane"],
         "true"
     );
-    let uri = v.volume_context["nbdUri"].clone();
-    assert_eq!(export_size(&uri).await, 11 << 20);
+    assert!(
+        !v.volume_context.contains_key("nbdGrant"),
+        "a volume's context is no grant"
+    );
+    assert_eq!(export_size(&mut c, &v.volume_id).await, 11 << 20);
 
     // Idempotent by name; a clash by name is ALREADY_EXISTS.
     let again = c
@@ -177,10 +220,7 @@ async fn volume_snapshot_restore_clone_expand_delete() {
         read(&image_file(&c, &restored.volume_id), 5 << 20, 11),
         b"snapshot me"
     );
-    assert_eq!(
-        export_size(&restored.volume_context["nbdUri"]).await,
-        32 << 20
-    );
+    assert_eq!(export_size(&mut c, &restored.volume_id).await, 32 << 20);
     let mut clone = create("pvc-clone", 0, ext4());
     clone.volume_content_source = from_volume(&v.volume_id);
     let cloned = created_volume(&mut c.client, clone).await;
@@ -207,7 +247,7 @@ async fn volume_snapshot_restore_clone_expand_delete() {
         .into_inner();
     assert_eq!(r.capacity_bytes, 20 * MIB);
     assert!(r.node_expansion_required);
-    assert_eq!(export_size(&uri).await, 20 << 20);
+    assert_eq!(export_size(&mut c, &v.volume_id).await, 20 << 20);
 
     // Deleting the source volume keeps its snapshot valid; deletes are idempotent.
     for id in [
@@ -587,4 +627,64 @@ async fn bad_input_gets_the_spec_code() {
         ),
         "{metrics}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_grants_the_node_and_unpublish_fences_it() {
+    let mut c = start().await;
+    let v = created_volume(&mut c.client, create("pvc-fenced", MIB, ext4())).await;
+    let uri = granted_uri(&c, &v.volume_id, "node-a", ext4()).await;
+    let (export, token) = uri.rsplit_once('@').unwrap();
+    assert!(!export.contains('@'), "the URI itself carries no token");
+    assert_eq!(token.len(), 32, "{} characters", token.len());
+    assert!(token
+        .bytes()
+        .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()));
+    assert_eq!(
+        granted_uri(&c, &v.volume_id, "node-a", ext4()).await,
+        uri,
+        "a repeated publish answers the same grant"
+    );
+    assert_eq!(dialed_size(&uri).await.unwrap(), 1 << 20);
+
+    for _ in 0..2 {
+        c.client
+            .controller_unpublish_volume(controller_unpublish_request(&v.volume_id, "node-a"))
+            .await
+            .unwrap();
+    }
+    assert!(
+        dialed_size(&uri).await.is_err_and(|e| is_refusal(&e)),
+        "the unpublished node's token opens nothing"
+    );
+    let again = granted_uri(&c, &v.volume_id, "node-a", ext4()).await;
+    assert_ne!(again, uri, "a new publication, a new grant");
+    c.client
+        .controller_unpublish_volume(controller_unpublish_request(&v.volume_id, "node-a"))
+        .await
+        .unwrap();
+
+    // ReadWriteMany: one grant per node, live together; an unpublish without a node id
+    // revokes every one.
+    let rwx_cap = block_capability(Mode::MultiNodeMultiWriter);
+    let rwx = created_volume(&mut c.client, create("vm-fenced", MIB, rwx_cap.clone())).await;
+    let mut uris = Vec::new();
+    for node in ["node-a", "node-b"] {
+        uris.push(granted_uri(&c, &rwx.volume_id, node, rwx_cap.clone()).await);
+    }
+    assert_ne!(uris[0], uris[1], "each node has its own token");
+    for uri in &uris {
+        assert_eq!(dialed_size(uri).await.unwrap(), 1 << 20);
+    }
+    c.client
+        .controller_unpublish_volume(controller_unpublish_request(&rwx.volume_id, ""))
+        .await
+        .unwrap();
+    for uri in &uris {
+        assert!(dialed_size(uri).await.is_err_and(|e| is_refusal(&e)));
+    }
+    c.client
+        .delete_volume(delete_volume_request(&rwx.volume_id))
+        .await
+        .unwrap();
 }

@@ -2,13 +2,15 @@
 //! file plugin (`dir=` mode: one export per file, named by the file).
 //!
 //! ```text
-//! <dir>/images/<image>        volume data, exported as nbd://host:port/<image>
+//! <dir>/images/<image>        volume data, dialed as nbd://host:port/<image>@<grant token>
 //! <dir>/snapshots/<image>     snapshot data (not exported)
 //! <dir>/meta/<kind>-<image>.json   what was asked for, publications, grants
+//! <dir>/run/nbdkit.sock       nbdkit's socket, reached only through the gate
 //! ```
 //!
-//! Grants are kept with the volume's metadata; a revoke cuts the grant's connections
-//! registered in the shared [`Sessions`].
+//! Grants are kept with the volume's metadata; the export server's gate reads them there for
+//! every handshake, and a revoke cuts the grant's connections through the shared
+//! [`Sessions`].
 //!
 //! Snapshots and clones are reflink copies where the filesystem supports them (FICLONE), and
 //! sparse copies otherwise: either way an independent file, so deleting a volume never
@@ -27,6 +29,7 @@ use serde::Serialize;
 
 use super::grants::NoRandom;
 use super::{Backend, BackendError, Grant, GrantToken, SnapshotMeta, Source, VolumeMeta};
+use crate::exports::gate::GrantLookup;
 use crate::exports::sessions::Sessions;
 
 /// A step of the local backend that failed, with the file it was about.
@@ -100,15 +103,25 @@ pub struct LocalBackend {
 
 impl LocalBackend {
     pub fn open(root: &Path, export_address: &str) -> Result<Self, LocalError> {
-        for d in ["images", "snapshots", "meta"] {
+        for d in ["images", "snapshots", "meta", "run"] {
             let dir = root.join(d);
             fs::create_dir_all(&dir).map_err(io("create directory", &dir))?;
         }
+        // Only the controller may reach nbdkit's socket: anyone else would pass the gate.
+        let run = root.join("run");
+        use std::os::unix::fs::PermissionsExt;
+        fs::set_permissions(&run, fs::Permissions::from_mode(0o700))
+            .map_err(io("restrict", &run))?;
         Ok(Self {
             root: root.to_owned(),
             export_address: export_address.to_owned(),
             sessions: Arc::default(),
         })
+    }
+
+    /// nbdkit's socket, behind the gate.
+    pub fn export_socket(&self) -> PathBuf {
+        self.root.join("run").join("nbdkit.sock")
     }
 
     /// The export server's open connections, by grant.
@@ -436,6 +449,12 @@ impl Backend for LocalBackend {
             source,
         })?;
         Ok(Some(s.blocks_available() * s.fragment_size()))
+    }
+}
+
+impl GrantLookup for LocalBackend {
+    fn grants(&self, image: &str) -> Result<BTreeMap<String, Grant>, LocalError> {
+        self.stored_grants(image)
     }
 }
 

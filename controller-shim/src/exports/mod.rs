@@ -1,41 +1,104 @@
 //! The local backend's export server: nbdkit's file plugin serving the image directory, one
 //! export per image file, supervised (restarted if it exits) for a single-machine setup.
+//! nbdkit listens only on a unix socket in the backend's directory; nodes reach it through
+//! the [`gate`] on the public address, which admits only handshakes of a live grant.
 //!
+//! - [`gate`]: one connection's handshake, checked and relayed;
 //! - [`sessions`]: the open connections of each grant, which a revoke cuts.
 
+pub mod gate;
 pub mod sessions;
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::net::TcpListener;
 use tokio::process::Command;
+use tokio::task::JoinSet;
+
+use crate::backend::local::LocalBackend;
+use crate::metrics::GateMetrics;
+use gate::Gate;
 
 #[derive(Debug, Clone)]
 pub struct ExportServer {
-    pub images: PathBuf,
-    /// Address to listen on, e.g. `127.0.0.1:10809`.
-    pub listen: std::net::SocketAddr,
+    /// The images it serves, and the grants the gate admits by.
+    pub backend: LocalBackend,
+    /// Address the gate listens on, e.g. `127.0.0.1:10809`.
+    pub listen: SocketAddr,
+    pub metrics: Arc<GateMetrics>,
 }
 
 impl ExportServer {
-    /// Runs nbdkit until the task is dropped, restarting it after an exit.
+    /// Runs nbdkit and the gate until the task is dropped (which drops every connection),
+    /// restarting nbdkit after an exit.
     pub async fn supervise(self) {
-        loop {
-            let mut cmd = Command::new("nbdkit");
-            cmd.args(["--foreground", "--exit-with-parent", "-i"])
-                .arg(self.listen.ip().to_string())
-                .args(["-p", &self.listen.port().to_string(), "file"])
-                .arg(format!("dir={}", self.images.display()))
-                .kill_on_drop(true);
-            match cmd.spawn() {
-                Ok(mut child) => {
-                    tracing::info!(listen = %self.listen, images = %self.images.display(), "export server started");
-                    let status = child.wait().await;
-                    tracing::warn!(?status, "export server exited; restarting");
-                }
-                Err(e) => tracing::error!(error = %e, "cannot start nbdkit"),
+        let socket = self.backend.export_socket();
+        let gate = Arc::new(Gate {
+            lookup: Arc::new(self.backend.clone()),
+            sessions: self.backend.sessions(),
+            metrics: self.metrics,
+            upstream: socket.clone(),
+        });
+        tokio::join!(
+            nbdkit(self.backend.images_dir(), socket),
+            serve(gate, self.listen)
+        );
+    }
+}
+
+async fn nbdkit(images: PathBuf, socket: PathBuf) {
+    loop {
+        // A socket left by an nbdkit that did not exit cleanly would keep the next from binding.
+        let _ = std::fs::remove_file(&socket);
+        let mut cmd = Command::new("nbdkit");
+        cmd.args(["--foreground", "--exit-with-parent", "-U"])
+            .arg(&socket)
+            .arg("file")
+            .arg(format!("dir={}", images.display()))
+            .kill_on_drop(true);
+        match cmd.spawn() {
+            Ok(mut child) => {
+                tracing::info!(socket = %socket.display(), images = %images.display(), "nbdkit started");
+                let status = child.wait().await;
+                tracing::warn!(?status, "nbdkit exited; restarting");
             }
-            tokio::time::sleep(Duration::from_secs(1)).await;
+            Err(e) => tracing::error!(error = %e, "cannot start nbdkit"),
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// The gate's accept loop; connections are tasks of this one, so dropping it ends them.
+async fn serve(gate: Arc<Gate>, listen: SocketAddr) {
+    let listener = loop {
+        match TcpListener::bind(listen).await {
+            Ok(l) => break l,
+            Err(e) => {
+                tracing::error!(%listen, error = %e, "export server cannot listen; retrying");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    };
+    tracing::info!(%listen, "export server listening (grants enforced)");
+    let mut connections = JoinSet::new();
+    loop {
+        while connections.try_join_next().is_some() {}
+        match listener.accept().await {
+            Ok((stream, peer)) => {
+                let gate = Arc::clone(&gate);
+                connections.spawn(async move {
+                    if let Err(e) = gate.serve(stream, peer).await {
+                        tracing::debug!(%peer, error = %e, "NBD connection ended");
+                    }
+                });
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "accepting an NBD connection");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
         }
     }
 }

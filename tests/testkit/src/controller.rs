@@ -1,4 +1,5 @@
-//! The controller as a real child process with its local backend and export server.
+//! The controller as a real child process with its local backend and export server (the
+//! grant gate listens on `--local-listen`, nbdkit behind it on a unix socket).
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
