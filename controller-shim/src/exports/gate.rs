@@ -161,7 +161,7 @@ impl Gate {
                         reply(client, option, rep::ERR_INVALID, "malformed option").await?;
                         continue;
                     };
-                    match self.admit(&request.name, peer).await? {
+                    match self.admit(&request.name, peer)? {
                         Admission::Refused => {
                             reply(client, option, rep::ERR_POLICY, REFUSAL).await?;
                         }
@@ -180,7 +180,7 @@ impl Gate {
                 opt::EXPORT_NAME => {
                     let name = String::from_utf8_lossy(&data).into_owned();
                     // EXPORT_NAME has no error reply: a refusal hangs up.
-                    return Ok(match self.admit(&name, peer).await? {
+                    return Ok(match self.admit(&name, peer)? {
                         Admission::Refused => None,
                         Admission::Granted {
                             image,
@@ -214,7 +214,7 @@ impl Gate {
     /// Whether `name` (`<image>@<token>`) opens an export now. A granted connection is
     /// registered before the grants are read the second time: a revoke that removes the
     /// grant after that read finds the registration and cuts it.
-    async fn admit(&self, name: &str, peer: SocketAddr) -> Result<Admission, GateError> {
+    fn admit(&self, name: &str, peer: SocketAddr) -> Result<Admission, GateError> {
         let (image, token) = split_export_name(name);
         let refused = |reason: Refusal, node: Option<&str>| {
             self.metrics.refused(reason.as_str());
