@@ -104,14 +104,15 @@ const REPLY_MAGIC: u32 = 0x6744_6698;
 const CMD_READ: u16 = 0;
 const CMD_WRITE: u16 = 1;
 
-/// One NBD command with simple replies: the data read (empty for a write).
-async fn command(
+/// One NBD command with simple replies: its error (0 for success) and the data read (empty
+/// for a write or an error).
+async fn raw_command(
     s: &mut TcpStream,
     cmd: u16,
     offset: u64,
     len: u32,
     data: &[u8],
-) -> std::io::Result<Vec<u8>> {
+) -> std::io::Result<(u32, Vec<u8>)> {
     let mut req = Vec::new();
     req.extend_from_slice(&REQUEST_MAGIC.to_be_bytes());
     req.extend_from_slice(&0u16.to_be_bytes());
@@ -123,10 +124,29 @@ async fn command(
     s.write_all(&req).await?;
     assert_eq!(s.read_u32().await?, REPLY_MAGIC);
     let error = s.read_u32().await?;
-    assert_eq!(error, 0, "NBD error reply");
     assert_eq!(s.read_u64().await?, 7, "handle");
-    let mut out = vec![0; if cmd == CMD_READ { len as usize } else { 0 }];
+    let mut out = vec![
+        0;
+        if cmd == CMD_READ && error == 0 {
+            len as usize
+        } else {
+            0
+        }
+    ];
     s.read_exact(&mut out).await?;
+    Ok((error, out))
+}
+
+/// A command that must succeed: the data read.
+async fn command(
+    s: &mut TcpStream,
+    cmd: u16,
+    offset: u64,
+    len: u32,
+    data: &[u8],
+) -> std::io::Result<Vec<u8>> {
+    let (error, out) = raw_command(s, cmd, offset, len, data).await?;
+    assert_eq!(error, 0, "NBD error reply");
     Ok(out)
 }
 
@@ -301,4 +321,55 @@ async fn grants_of_two_nodes_live_together_and_one_revoke_leaves_the_other() {
     assert_refused(dial(&f, &name(&a)).await, "node-a after its revoke");
     dial(&f, &name(&b)).await.unwrap();
     assert_eq!(f.backend.granted_nodes(IMAGE).await.unwrap(), ["node-b"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_only_grant_opens_only_a_read_only_export() {
+    let f = fixture().await;
+    let writer = f.backend.grant(IMAGE, "node-a", false).await.unwrap();
+    let (_, mut rw) = dial(&f, &name(&writer)).await.unwrap();
+    write_and_read(&mut rw, 0, b"written").await.unwrap();
+
+    let reader = f.backend.grant(IMAGE, "node-b", true).await.unwrap();
+    let (info, mut ro) = dial(&f, &name(&reader)).await.unwrap();
+    assert!(info.read_only(), "the export is offered read-only");
+    let (error, _) = raw_command(&mut ro, CMD_WRITE, 0, 7, b"ignored")
+        .await
+        .unwrap();
+    assert_ne!(error, 0, "a write through a read-only grant fails");
+    assert_eq!(
+        command(&mut ro, CMD_READ, 0, 7, &[]).await.unwrap(),
+        b"written"
+    );
+    assert_eq!(
+        testkit::read_at(&f.root.join("images").join(IMAGE), 0, 7),
+        b"written"
+    );
+
+    // Negotiated before the name was known, structured replies hold on the read-only
+    // instance too.
+    let mut s = TcpStream::connect(f.listen).await.unwrap();
+    let greeting = nbd::handshake::greet(&mut s).await.unwrap();
+    send_option(&mut s, 8, &[]).await;
+    assert_eq!(
+        reply_kind(&mut s, 8).await,
+        rep::ACK,
+        "NBD_OPT_STRUCTURED_REPLY"
+    );
+    let info = nbd::handshake::select_export(&mut s, &greeting, &name(&reader))
+        .await
+        .unwrap();
+    assert!(info.read_only());
+    let mut read = Vec::new();
+    read.extend_from_slice(&REQUEST_MAGIC.to_be_bytes());
+    read.extend_from_slice(&[0, 0, 0, 0]); // flags, NBD_CMD_READ
+    read.extend_from_slice(&[0; 8]); // handle
+    read.extend_from_slice(&0u64.to_be_bytes());
+    read.extend_from_slice(&7u32.to_be_bytes());
+    s.write_all(&read).await.unwrap();
+    assert_eq!(
+        s.read_u32().await.unwrap(),
+        0x668e_33ef,
+        "a structured reply: the read-only instance was asked for them too"
+    );
 }

@@ -5,7 +5,7 @@
 //! <dir>/images/<image>        volume data, dialed as nbd://host:port/<image>@<grant token>
 //! <dir>/snapshots/<image>     snapshot data (not exported)
 //! <dir>/meta/<kind>-<image>.json   what was asked for, publications, grants
-//! <dir>/run/nbdkit.sock       nbdkit's socket, reached only through the gate
+//! <dir>/run/nbdkit{,-ro}.sock  nbdkit's sockets (writable, read-only), only for the gate
 //! ```
 //!
 //! Grants are kept with the volume's metadata; the export server's gate reads them there for
@@ -119,9 +119,14 @@ impl LocalBackend {
         })
     }
 
-    /// nbdkit's socket, behind the gate.
-    pub fn export_socket(&self) -> PathBuf {
-        self.root.join("run").join("nbdkit.sock")
+    /// The socket of the nbdkit serving writable or read-only grants, behind the gate.
+    pub fn export_socket(&self, read_only: bool) -> PathBuf {
+        let name = if read_only {
+            "nbdkit-ro.sock"
+        } else {
+            "nbdkit.sock"
+        };
+        self.root.join("run").join(name)
     }
 
     /// The export server's open connections, by grant.

@@ -5,7 +5,8 @@
 //! both ways, registered in [`Sessions`] so a revoke can cut it.
 //!
 //! Options the gate cannot check are answered here, never forwarded: after STARTTLS it could
-//! not read the name any more, and LIST would name every image.
+//! not read the name any more, and LIST would name every image. A read-only grant is served
+//! by the read-only nbdkit ([`upstream`](super::upstream)).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -13,11 +14,13 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use nbd::protocol::{opt, rep, IHAVEOPT, OPT_REPLY_MAGIC};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use nbd::protocol::{opt, rep, OPT_REPLY_MAGIC};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpStream, UnixStream};
 
 use super::sessions::{Registration, Sessions};
+use super::upstream::{Sockets, Upstream, OPT_STRUCTURED_REPLY};
+use super::wire::{expect_magic, io, read_len, read_option, send_option, write_reply, MAX_LEN};
 use crate::backend::grants::split_export_name;
 use crate::backend::local::LocalError;
 use crate::backend::Grant;
@@ -26,11 +29,7 @@ use crate::metrics::GateMetrics;
 /// Option codes the client crate does not name.
 const OPT_LIST: u32 = 3;
 const OPT_INFO: u32 = 6;
-const OPT_STRUCTURED_REPLY: u32 = 8;
 
-/// Strings in the protocol are capped at 4096 bytes: no option or reply we relay is longer
-/// than this, and a longer one is a broken or hostile peer.
-const MAX_LEN: u32 = 16 * 1024;
 /// A handshake that takes longer holds a connection for nothing.
 const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(30);
 /// How long a cut connection waits for nbdkit to finish what was forwarded before the cut.
@@ -68,11 +67,8 @@ pub enum GateError {
     Deadline,
     #[error("reading the grants of {image}: {source}")]
     Grants { image: String, source: LocalError },
-}
-
-/// For `map_err`: an I/O failure `during` a step.
-fn io(during: &'static str) -> impl FnOnce(std::io::Error) -> GateError {
-    move |source| GateError::Io { during, source }
+    #[error("the read-only nbdkit does not greet or negotiate as the writable one does")]
+    UpstreamsDiffer,
 }
 
 /// Why a handshake was refused, as the metric labels it.
@@ -99,6 +95,7 @@ impl Refusal {
 enum Admission {
     Granted {
         image: String,
+        read_only: bool,
         registration: Registration,
     },
     Refused,
@@ -109,22 +106,16 @@ pub struct Gate {
     pub lookup: Arc<dyn GrantLookup>,
     pub sessions: Arc<Sessions>,
     pub metrics: Arc<GateMetrics>,
-    /// nbdkit's unix socket.
-    pub upstream: PathBuf,
+    /// nbdkit's unix sockets.
+    pub upstreams: Sockets,
 }
 
 impl Gate {
     /// Serves one client connection to its end.
     pub async fn serve(&self, mut client: TcpStream, peer: SocketAddr) -> Result<(), GateError> {
         let _ = client.set_nodelay(true);
-        let mut server = UnixStream::connect(&self.upstream)
-            .await
-            .map_err(|source| GateError::Upstream {
-                socket: self.upstream.clone(),
-                source,
-            })?;
-        let handshake = self.handshake(&mut client, &mut server, peer);
-        let Some(registration) = tokio::time::timeout(HANDSHAKE_DEADLINE, handshake)
+        let handshake = self.handshake(&mut client, peer);
+        let Some((registration, server)) = tokio::time::timeout(HANDSHAKE_DEADLINE, handshake)
             .await
             .map_err(|_| GateError::Deadline)??
         else {
@@ -134,25 +125,20 @@ impl Gate {
         Ok(())
     }
 
-    /// The handshake up to transmission: the grant's registration, or `None` when the
-    /// connection is to be closed.
+    /// The handshake up to transmission: the grant's registration and nbdkit's connection,
+    /// or `None` when the connection is to be closed.
     async fn handshake(
         &self,
         client: &mut TcpStream,
-        server: &mut UnixStream,
         peer: SocketAddr,
-    ) -> Result<Option<Registration>, GateError> {
-        let mut greeting = [0u8; 18];
-        server
-            .read_exact(&mut greeting)
+    ) -> Result<Option<(Registration, UnixStream)>, GateError> {
+        let mut server = Upstream::open(&self.upstreams).await?;
+        client
+            .write_all(server.greeting())
             .await
-            .map_err(io("nbdkit greeting"))?;
-        client.write_all(&greeting).await.map_err(io("greeting"))?;
+            .map_err(io("greeting"))?;
         let flags = client.read_u32().await.map_err(io("client flags"))?;
-        server
-            .write_u32(flags)
-            .await
-            .map_err(io("client flags to nbdkit"))?;
+        server.send_flags(flags).await?;
         loop {
             let (option, data) = read_option(client).await?;
             match option {
@@ -167,12 +153,15 @@ impl Gate {
                         }
                         Admission::Granted {
                             image,
+                            read_only,
                             registration,
                         } => {
-                            send_option(server, option, &request.renamed(&image)).await?;
-                            let acked = relay_replies(server, client, option).await?;
+                            server.serve(&self.upstreams, read_only).await?;
+                            let renamed = request.renamed(&image);
+                            send_option(server.stream(), option, &renamed).await?;
+                            let acked = relay_replies(server.stream(), client, option).await?;
                             if option == opt::GO && acked {
-                                return Ok(Some(registration));
+                                return Ok(Some((registration, server.into_stream())));
                             }
                         }
                     }
@@ -180,24 +169,27 @@ impl Gate {
                 opt::EXPORT_NAME => {
                     let name = String::from_utf8_lossy(&data).into_owned();
                     // EXPORT_NAME has no error reply: a refusal hangs up.
-                    return Ok(match self.admit(&name, peer)? {
-                        Admission::Refused => None,
-                        Admission::Granted {
-                            image,
-                            registration,
-                        } => {
-                            send_option(server, option, image.as_bytes()).await?;
-                            Some(registration)
-                        }
-                    });
+                    let Admission::Granted {
+                        image,
+                        read_only,
+                        registration,
+                    } = self.admit(&name, peer)?
+                    else {
+                        return Ok(None);
+                    };
+                    server.serve(&self.upstreams, read_only).await?;
+                    send_option(server.stream(), option, image.as_bytes()).await?;
+                    return Ok(Some((registration, server.into_stream())));
                 }
                 opt::ABORT => {
                     reply(client, option, rep::ACK, "").await?;
                     return Ok(None);
                 }
                 OPT_STRUCTURED_REPLY => {
-                    send_option(server, option, &data).await?;
-                    relay_replies(server, client, option).await?;
+                    send_option(server.stream(), option, &data).await?;
+                    if relay_replies(server.stream(), client, option).await? {
+                        server.structured();
+                    }
                 }
                 opt::STARTTLS => {
                     let why = "STARTTLS is not offered: the gate must read the export name";
@@ -234,22 +226,23 @@ impl Gate {
         if crate::ids::valid_image(image).is_err() {
             return refused(Refusal::BadName, None);
         }
-        let Some(node) = self.holder(image, token)? else {
+        let Some((node, grant)) = self.holder(image, token)? else {
             return refused(Refusal::NoGrant, None);
         };
         let registration = self.sessions.register(image, &node);
-        if self.holder(image, token)?.as_deref() != Some(node.as_str()) {
+        if self.holder(image, token)?.map(|(n, _)| n).as_deref() != Some(node.as_str()) {
             return refused(Refusal::NoGrant, Some(&node));
         }
-        tracing::debug!(image, node, %peer, "NBD handshake admitted");
+        tracing::debug!(image, node, %peer, read_only = grant.readonly, "NBD handshake admitted");
         Ok(Admission::Granted {
             image: image.to_owned(),
+            read_only: grant.readonly,
             registration,
         })
     }
 
-    /// The node whose live grant of `image` has `token`.
-    fn holder(&self, image: &str, token: &str) -> Result<Option<String>, GateError> {
+    /// The node whose live grant of `image` has `token`, and the grant.
+    fn holder(&self, image: &str, token: &str) -> Result<Option<(String, Grant)>, GateError> {
         let grants = self
             .lookup
             .grants(image)
@@ -257,10 +250,7 @@ impl Gate {
                 image: image.to_owned(),
                 source,
             })?;
-        Ok(grants
-            .into_iter()
-            .find(|(_, g)| g.token.matches(token))
-            .map(|(node, _)| node))
+        Ok(grants.into_iter().find(|(_, g)| g.token.matches(token)))
     }
 }
 
@@ -308,72 +298,6 @@ impl NamedOption {
         data.extend_from_slice(&self.rest);
         data
     }
-}
-
-async fn read_len<R: AsyncRead + Unpin>(
-    r: &mut R,
-    during: &'static str,
-) -> Result<Vec<u8>, GateError> {
-    let len = r.read_u32().await.map_err(io(during))?;
-    if len > MAX_LEN {
-        return Err(GateError::Oversized { during, len });
-    }
-    let mut data = vec![0; len as usize];
-    r.read_exact(&mut data).await.map_err(io(during))?;
-    Ok(data)
-}
-
-async fn expect_magic<R: AsyncRead + Unpin>(
-    r: &mut R,
-    magic: u64,
-    during: &'static str,
-) -> Result<(), GateError> {
-    match r.read_u64().await.map_err(io(during))? {
-        got if got == magic => Ok(()),
-        got => Err(GateError::BadMagic { during, got }),
-    }
-}
-
-async fn read_option(client: &mut TcpStream) -> Result<(u32, Vec<u8>), GateError> {
-    const DURING: &str = "option request";
-    expect_magic(client, IHAVEOPT, DURING).await?;
-    let option = client.read_u32().await.map_err(io(DURING))?;
-    Ok((option, read_len(client, DURING).await?))
-}
-
-/// One handshake message: its magic, its 32-bit words, then its data with the length.
-fn frame(magic: u64, words: &[u32], data: &[u8]) -> Vec<u8> {
-    let mut buf = Vec::with_capacity(12 + 4 * words.len() + data.len());
-    buf.extend_from_slice(&magic.to_be_bytes());
-    for w in words {
-        buf.extend_from_slice(&w.to_be_bytes());
-    }
-    // What the gate sends was read with at most MAX_LEN bytes, or is its own short text.
-    buf.extend_from_slice(&u32::try_from(data.len()).unwrap_or(u32::MAX).to_be_bytes());
-    buf.extend_from_slice(data);
-    buf
-}
-
-async fn send_option<W: AsyncWrite + Unpin>(
-    w: &mut W,
-    option: u32,
-    data: &[u8],
-) -> Result<(), GateError> {
-    w.write_all(&frame(IHAVEOPT, &[option], data))
-        .await
-        .map_err(io("option to nbdkit"))
-}
-
-/// One option reply, as the gate's own answer or relayed.
-async fn write_reply<W: AsyncWrite + Unpin>(
-    w: &mut W,
-    option: u32,
-    kind: u32,
-    data: &[u8],
-) -> Result<(), GateError> {
-    w.write_all(&frame(OPT_REPLY_MAGIC, &[option, kind], data))
-        .await
-        .map_err(io("option reply"))
 }
 
 async fn reply(

@@ -1,13 +1,18 @@
 //! The local backend's export server: nbdkit's file plugin serving the image directory, one
 //! export per image file, supervised (restarted if it exits) for a single-machine setup.
-//! nbdkit listens only on a unix socket in the backend's directory; nodes reach it through
-//! the [`gate`] on the public address, which admits only handshakes of a live grant.
+//! nbdkit listens only on unix sockets in the backend's directory (one instance writable,
+//! one read-only); nodes reach it through the [`gate`] on the public address, which admits
+//! only handshakes of a live grant.
 //!
 //! - [`gate`]: one connection's handshake, checked and relayed;
+//! - [`upstream`]: its connection to the nbdkit instance its grant is served by;
+//! - [`wire`]: the framing of handshake options and replies;
 //! - [`sessions`]: the open connections of each grant, which a revoke cuts.
 
 pub mod gate;
 pub mod sessions;
+pub mod upstream;
+pub mod wire;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -21,6 +26,7 @@ use tokio::task::JoinSet;
 use crate::backend::local::LocalBackend;
 use crate::metrics::GateMetrics;
 use gate::Gate;
+use upstream::Sockets;
 
 #[derive(Debug, Clone)]
 pub struct ExportServer {
@@ -35,33 +41,42 @@ impl ExportServer {
     /// Runs nbdkit and the gate until the task is dropped (which drops every connection),
     /// restarting nbdkit after an exit.
     pub async fn supervise(self) {
-        let socket = self.backend.export_socket();
+        let sockets = Sockets {
+            writable: self.backend.export_socket(false),
+            read_only: self.backend.export_socket(true),
+        };
+        let images = self.backend.images_dir();
         let gate = Arc::new(Gate {
             lookup: Arc::new(self.backend.clone()),
             sessions: self.backend.sessions(),
             metrics: self.metrics,
-            upstream: socket.clone(),
+            upstreams: sockets.clone(),
         });
         tokio::join!(
-            nbdkit(self.backend.images_dir(), socket),
+            nbdkit(images.clone(), sockets.writable, false),
+            nbdkit(images, sockets.read_only, true),
             serve(gate, self.listen)
         );
     }
 }
 
-async fn nbdkit(images: PathBuf, socket: PathBuf) {
+async fn nbdkit(images: PathBuf, socket: PathBuf, read_only: bool) {
     loop {
         // A socket left by an nbdkit that did not exit cleanly would keep the next from binding.
         let _ = std::fs::remove_file(&socket);
         let mut cmd = Command::new("nbdkit");
-        cmd.args(["--foreground", "--exit-with-parent", "-U"])
+        cmd.args(["--foreground", "--exit-with-parent"]);
+        if read_only {
+            cmd.arg("--readonly");
+        }
+        cmd.arg("-U")
             .arg(&socket)
             .arg("file")
             .arg(format!("dir={}", images.display()))
             .kill_on_drop(true);
         match cmd.spawn() {
             Ok(mut child) => {
-                tracing::info!(socket = %socket.display(), images = %images.display(), "nbdkit started");
+                tracing::info!(socket = %socket.display(), images = %images.display(), read_only, "nbdkit started");
                 let status = child.wait().await;
                 tracing::warn!(?status, "nbdkit exited; restarting");
             }
