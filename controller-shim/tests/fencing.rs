@@ -87,7 +87,7 @@ async fn dial(f: &Fixture, name: &str) -> Result<(ExportInfo, TcpStream), Handsh
                 continue;
             }
         };
-        match negotiate(&mut stream, name).await {
+        match negotiate(&mut stream, name, None).await {
             Ok(info) => return Ok((info, stream)),
             Err(HandshakeError::Closed { .. } | HandshakeError::Io { .. })
                 if started.elapsed() < Duration::from_secs(10) =>
@@ -356,7 +356,7 @@ async fn a_read_only_grant_opens_only_a_read_only_export() {
         rep::ACK,
         "NBD_OPT_STRUCTURED_REPLY"
     );
-    let info = nbd::handshake::select_export(&mut s, &greeting, &name(&reader))
+    let info = nbd::handshake::select_export(&mut s, &greeting, &name(&reader), None)
         .await
         .unwrap();
     assert!(info.read_only());
