@@ -19,7 +19,7 @@ use tonic::transport::Channel;
 const SIZE: u64 = 64 * MIB;
 /// How much each writer writes at a time.
 const CHUNK: usize = 1 << 20;
-/// Where the cut-off node leaves dirty pages, and where it writes after it comes back.
+/// Where the cut-off node leaves dirty pages, and where a direct write of it waits.
 const DIRTY_AT: u64 = 8 * MIB;
 const LATE_AT: u64 = 16 * MIB;
 /// Where the second node writes once the gate has cut it off while connected.
@@ -38,6 +38,9 @@ impl NodeSide {
         let (daemon, clients) = start_node(name).await;
         let staging = daemon.scratch().join("staging/fenced");
         let target = daemon.scratch().join("pods/p/volumeDevices/fenced");
+        // kubelet makes the staging directory and the target's parent.
+        std::fs::create_dir_all(&staging).unwrap();
+        std::fs::create_dir_all(target.parent().unwrap()).unwrap();
         Self {
             daemon,
             clients,
@@ -140,13 +143,6 @@ fn read_image(image: &Path, offset: u64, len: usize) -> Vec<u8> {
     buf
 }
 
-fn sysctl(name: &str, value: &str) -> String {
-    let path = Path::new("/proc/sys/vm").join(name);
-    let old = std::fs::read_to_string(&path).unwrap().trim().to_owned();
-    std::fs::write(&path, value).unwrap();
-    old
-}
-
 /// Runs blocking I/O that must fail (on a fenced device) on its own thread, so a hang would
 /// fail the test instead of stopping it.
 async fn fails_soon(what: &str, io: impl FnOnce() -> std::io::Result<()> + Send + 'static) {
@@ -176,22 +172,13 @@ async fn a_node_that_lost_its_attachment_writes_nothing_more() {
     let mut a = NodeSide::start("node-a").await;
     let mut b = NodeSide::start("node-b").await;
 
-    // A writes durably, then leaves dirty pages behind that it has not written back.
+    // A writes durably.
     a.attach(&mut ctrl, &volume).await;
     let durable = pattern(1, 0, CHUNK);
     let direct = DirectFile::open(&a.target, true).unwrap();
     direct.write_at(&durable, 0).unwrap();
     direct.sync().unwrap();
     assert!(read_image(&image, 0, durable.len()) == durable);
-    let writeback = sysctl("dirty_writeback_centisecs", "0");
-    let expire = sysctl("dirty_expire_centisecs", "360000");
-    // Held open: the last close of a block device writes its dirty pages back.
-    let buffered = std::fs::OpenOptions::new()
-        .write(true)
-        .open(&a.target)
-        .unwrap();
-    let dirty = pattern(2, DIRTY_AT, CHUNK);
-    buffered.write_all_at(&dirty, DIRTY_AT).unwrap();
 
     // A is cut off: its daemon hears nothing, and the server side resets its connections.
     a.daemon.freeze(true);
@@ -203,6 +190,20 @@ async fn a_node_that_lost_its_attachment_writes_nothing_more() {
             "no server-side socket for {local} → {peer}"
         );
     }
+    // Its pod goes on writing: dirty pages (held open, as the last close of a block device
+    // writes them back), and a direct write that waits in the kernel for the link.
+    let buffered = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&a.target)
+        .unwrap();
+    buffered
+        .write_all_at(&pattern(2, DIRTY_AT, CHUNK), DIRTY_AT)
+        .unwrap();
+    let waiting = DirectFile::open(&a.target, true).unwrap();
+    let in_flight = tokio::task::spawn_blocking(move || {
+        waiting.write_at(&pattern(4, LATE_AT, CHUNK), LATE_AT)?;
+        waiting.sync()
+    });
 
     // The volume is detached from A by force and attached to B, which writes over A's data.
     ctrl.controller_unpublish_volume(controller_unpublish_request(&volume, "node-a"))
@@ -218,18 +219,22 @@ async fn a_node_that_lost_its_attachment_writes_nothing_more() {
     a.daemon.freeze(false);
     let condition = a.wait_fenced(&volume).await;
     assert!(condition.contains("grant"), "{condition}");
-    // Whatever A still tries fails, and reaches nothing.
-    let late = pattern(4, LATE_AT, CHUNK);
+    // What waited fails, and whatever A still tries fails too.
+    let waited = tokio::time::timeout(Duration::from_secs(30), in_flight)
+        .await
+        .expect("A's waiting write hung after the fence")
+        .unwrap();
+    assert!(
+        waited.is_err(),
+        "A's waiting write succeeded after the fence"
+    );
     let over_b = pattern(5, 0, CHUNK);
     fails_soon("A's write after the fence", move || {
-        direct.write_at(&late, LATE_AT)?;
         direct.write_at(&over_b, 0)?;
         direct.sync()
     })
     .await;
     fails_soon("writing back A's dirty pages", move || buffered.sync_all()).await;
-    sysctl("dirty_writeback_centisecs", &writeback);
-    sysctl("dirty_expire_centisecs", &expire);
 
     // On the export: B's data, and nothing of what A wrote after the revocation.
     assert!(
@@ -240,7 +245,10 @@ async fn a_node_that_lost_its_attachment_writes_nothing_more() {
         b_direct.read_at(from_b.len(), 0).unwrap() == from_b,
         "B reads back other data than it wrote"
     );
-    for (what, at) in [("A's dirty pages", DIRTY_AT), ("A's late write", LATE_AT)] {
+    for (what, at) in [
+        ("A's dirty pages", DIRTY_AT),
+        ("A's waiting write", LATE_AT),
+    ] {
         assert!(
             read_image(&image, at, CHUNK).iter().all(|&b| b == 0),
             "{what} reached the export after the revocation"
