@@ -6,6 +6,7 @@
 //! gives the device new connections. Needs `CONFIG_INET_DIAG_DESTROY` (set in the Debian,
 //! Ubuntu and RED OS kernels) and the `tcp_diag` module, which the kernel loads on demand.
 
+use std::collections::HashMap;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 
@@ -21,6 +22,8 @@ use crate::Error;
 /// `SOCK_DIAG_BY_FAMILY` and `SOCK_DESTROY` from `linux/sock_diag.h`.
 const SOCK_DIAG_BY_FAMILY: u16 = 20;
 const SOCK_DESTROY: u16 = 21;
+/// `NLMSG_DONE` from `linux/netlink.h`: the end of a dump.
+const NLMSG_DONE: u16 = 3;
 /// `TCP_ESTABLISHED` from `net/tcp_states.h`.
 const TCP_ESTABLISHED: u8 = 1;
 /// `INET_DIAG_NOCOOKIE`: match by addresses only.
@@ -151,6 +154,110 @@ fn handler_loaded() -> Result<bool, Error> {
     Ok(loaded)
 }
 
+/// Every TCP socket the kernel has, by address pair, from one dump: what a caller that asks
+/// about hundreds of connections at once (a restart, a sweep) reads instead of asking the
+/// kernel once per connection.
+#[derive(Debug, Default)]
+pub struct TcpTable {
+    sockets: HashMap<(SocketAddr, SocketAddr), (bool, u64)>,
+}
+
+impl TcpTable {
+    /// [`lookup_tcp`], answered from the dump.
+    pub fn lookup(&self, local: SocketAddr, peer: SocketAddr) -> Lookup {
+        match self.sockets.get(&(local, peer)) {
+            Some(&(established, inode)) => Lookup::Found { established, inode },
+            None => Lookup::Absent,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.sockets.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.sockets.is_empty()
+    }
+}
+
+/// Dumps every TCP socket (IPv4 and IPv6). `None` when the kernel cannot tell (see
+/// [`Lookup::Unknown`]).
+pub fn tcp_table() -> Result<Option<TcpTable>, Error> {
+    let mut table = TcpTable::default();
+    for family in [libc::AF_INET, libc::AF_INET6] {
+        if !dump(family, &mut table)? {
+            return Ok(None);
+        }
+    }
+    Ok(Some(table))
+}
+
+/// One family's TCP sockets into `table`; `false` when the kernel has no TCP diagnostics.
+fn dump(family: libc::c_int, table: &mut TcpTable) -> Result<bool, Error> {
+    let netlink = |e: &dyn std::fmt::Display| Error::NetlinkSocket(format!("sock_diag dump: {e}"));
+    let socket = NlSocketHandle::connect(NlFamily::SockOrInetDiag, None, Groups::empty())
+        .map_err(|e| netlink(&e))?;
+    // Any address pair of the family: a dump ignores the socket id.
+    let any = match family {
+        libc::AF_INET => SocketAddr::from(([0, 0, 0, 0], 0)),
+        _ => SocketAddr::from(([0u16; 8], 0)),
+    };
+    let msg = NlmsghdrBuilder::default()
+        .nl_type(SOCK_DIAG_BY_FAMILY)
+        .nl_flags(NlmF::REQUEST | NlmF::DUMP)
+        .nl_payload(NlPayload::Payload(Buffer::from(request(any, any)?)))
+        .build()
+        .map_err(|e| netlink(&e))?;
+    socket.send(&msg).map_err(|e| netlink(&e))?;
+    loop {
+        let (replies, _) = socket.recv::<u16, Buffer>().map_err(|e| netlink(&e))?;
+        for reply in replies {
+            let reply = reply.map_err(|e| netlink(&e))?;
+            if *reply.nl_type() == NLMSG_DONE {
+                return Ok(true);
+            }
+            match reply.nl_payload() {
+                NlPayload::Payload(p) => {
+                    if let Some((pair, entry)) = parse_diag_msg(p.as_ref()) {
+                        table.sockets.insert(pair, entry);
+                    }
+                }
+                NlPayload::Err(e) if -*e.error() == libc::ENOENT => return Ok(false),
+                NlPayload::Err(e) => {
+                    let errno = -*e.error();
+                    return Err(Error::Kernel {
+                        op: "SOCK_DIAG dump",
+                        device: "every TCP socket".into(),
+                        errno,
+                        message: io::Error::from_raw_os_error(errno).to_string(),
+                    });
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+/// A `struct inet_diag_msg`: family, state, timer, retrans, the socket id (ports and
+/// addresses in network byte order, interface, cookie), expires, rqueue, wqueue, uid, inode.
+fn parse_diag_msg(msg: &[u8]) -> Option<((SocketAddr, SocketAddr), (bool, u64))> {
+    if msg.len() < 72 {
+        return None;
+    }
+    let port = |at: usize| u16::from_be_bytes([msg[at], msg[at + 1]]);
+    let ip = |at: usize| -> Option<IpAddr> {
+        match i32::from(msg[0]) {
+            libc::AF_INET => Some(IpAddr::from(<[u8; 4]>::try_from(&msg[at..at + 4]).ok()?)),
+            libc::AF_INET6 => Some(IpAddr::from(<[u8; 16]>::try_from(&msg[at..at + 16]).ok()?)),
+            _ => None,
+        }
+    };
+    let local = SocketAddr::new(ip(8)?, port(4));
+    let peer = SocketAddr::new(ip(24)?, port(6));
+    let inode = u64::from(u32::from_ne_bytes([msg[68], msg[69], msg[70], msg[71]]));
+    Some(((local, peer), (msg[1] == TCP_ESTABLISHED, inode)))
+}
+
 /// One request about one socket. `None` when the kernel has no such socket; otherwise the
 /// reply's payload (empty for a bare acknowledgement).
 fn exchange(kind: u16, local: SocketAddr, peer: SocketAddr) -> Result<Option<Vec<u8>>, Error> {
@@ -212,6 +319,33 @@ mod tests {
         assert_eq!(&req[12..16], &[10, 0, 0, 1]);
         assert_eq!(&req[28..32], &[10, 0, 0, 2]);
         assert!(request("10.0.0.1:1".parse().unwrap(), "[::1]:2".parse().unwrap()).is_err());
+    }
+
+    /// The dump finds a real connection with the state and inode the one-socket lookup gives.
+    #[test]
+    fn the_dump_agrees_with_the_lookup() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let _server = listener.accept().unwrap();
+        let (local, peer) = (client.local_addr().unwrap(), client.peer_addr().unwrap());
+        let (Ok(Some(table)), Ok(single)) = (tcp_table(), lookup_tcp(local, peer)) else {
+            // Unprivileged hosts or kernels without tcp_diag: nothing to compare.
+            return;
+        };
+        assert!(
+            matches!(
+                single,
+                Lookup::Found {
+                    established: true,
+                    ..
+                }
+            ),
+            "{single:?}"
+        );
+        assert_eq!(table.lookup(local, peer), single);
+        assert_eq!(table.lookup(peer, local), lookup_tcp(peer, local).unwrap());
+        let unused = SocketAddr::from(([127, 0, 0, 1], 1));
+        assert_eq!(table.lookup(unused, peer), Lookup::Absent);
     }
 
     /// A real loopback connection, aborted by address: the peer sees it reset.

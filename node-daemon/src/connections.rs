@@ -86,8 +86,34 @@ pub enum Liveness {
     Unknown,
 }
 
-pub fn liveness(known: &[TcpConnection]) -> Liveness {
-    let states = states(known);
+/// The kernel's TCP sockets, dumped once for a pass over every device (a restart's refresh,
+/// the sweep): one netlink exchange instead of one per connection. `None` when the kernel
+/// cannot tell.
+pub fn tcp_snapshot() -> Option<nbd::sockdiag::TcpTable> {
+    nbd::sockdiag::tcp_table().unwrap_or_else(|e| {
+        tracing::debug!(error = %e, "cannot dump the TCP sockets");
+        None
+    })
+}
+
+/// What `known` says of a device's slots, answered from a [`tcp_snapshot`].
+pub fn liveness_in(
+    snapshot: Option<&nbd::sockdiag::TcpTable>,
+    known: &[TcpConnection],
+) -> Liveness {
+    use nbd::sockdiag::Lookup;
+    let states: Vec<Option<bool>> = known
+        .iter()
+        .map(|c| match snapshot.map(|t| t.lookup(c.local, c.peer)) {
+            Some(Lookup::Found { established, .. }) => Some(established),
+            Some(Lookup::Absent) => Some(false),
+            Some(Lookup::Unknown) | None => None,
+        })
+        .collect();
+    liveness_of(&states)
+}
+
+fn liveness_of(states: &[Option<bool>]) -> Liveness {
     if states.contains(&Some(false)) {
         Liveness::SomeClosed
     } else if !states.is_empty() && states.iter().all(|s| *s == Some(true)) {

@@ -16,7 +16,9 @@ use std::time::{Duration, Instant};
 
 use nbd::netlink::LinkDeadEvents;
 
-use crate::connections::{liveness, offer_new_connections, ConnectionsError, Liveness};
+use crate::connections::{
+    liveness_in, offer_new_connections, tcp_snapshot, ConnectionsError, Liveness,
+};
 use crate::error::NodeError;
 use crate::node::{Link, Node};
 
@@ -110,11 +112,12 @@ impl Healer {
     /// a restart with hundreds of healthy volumes does not redial them all. Runs before
     /// recovery does any device I/O, which would otherwise wait on such a link.
     pub fn refresh_all(self: &Arc<Self>, node: &Arc<Node>) {
+        let snapshot = tcp_snapshot();
         for record in node.records() {
             if record.export.is_none() || record.device.is_none() || record.fenced.is_some() {
                 continue;
             }
-            match liveness(&record.tcp) {
+            match liveness_in(snapshot.as_ref(), &record.tcp) {
                 // Provably dead: reported as down from the start.
                 Liveness::SomeClosed => {
                     Arc::clone(self).heal(Arc::clone(node), record.volume_id.to_string(), true)
@@ -138,13 +141,14 @@ impl Healer {
     /// kernel reports closed. Also puts back the `none` I/O scheduler (see nbd::attach), and
     /// sets it ahead on idle devices.
     pub fn sweep(self: &Arc<Self>, node: &Arc<Node>) {
+        let snapshot = tcp_snapshot();
         for record in node.records() {
             let Some(index) = record.device_index() else {
                 continue;
             };
             if !self.is_healing_dead_link(&record.volume_id)
                 && record.fenced.is_none()
-                && liveness(&record.tcp) == Liveness::SomeClosed
+                && liveness_in(snapshot.as_ref(), &record.tcp) == Liveness::SomeClosed
             {
                 tracing::warn!(volume = %record.volume_id, device = %index, "a connection is closed and no LINK_DEAD was heard; reconnecting");
                 Arc::clone(self).heal(Arc::clone(node), record.volume_id.to_string(), true);

@@ -114,10 +114,12 @@ pub async fn run(settings: Settings) -> Result<(), StartError> {
     // The healer runs before recovery touches any device: a link that died while the daemon
     // was down would otherwise stall recovery's first unmount or read until I/O fails.
     let report = recovery::load(&node)?;
+    let loaded = started.elapsed();
     take_back_held_sockets(&node, stored);
     let healer = Arc::new(Healer::default());
     let healing = Arc::clone(&healer).spawn(Arc::clone(&node), events);
     healer.refresh_all(&node);
+    let refreshed = started.elapsed();
     let report = recovery::reconcile(&node, report).await?;
     // Scheduler writes on every idle device take seconds on slow machines (each freezes a
     // queue): in the background, so readiness does not wait for them.
@@ -132,6 +134,9 @@ pub async fn run(settings: Settings) -> Result<(), StartError> {
         quarantined = report.quarantined.len(),
         unreconciled = report.unreconciled.len(),
         elapsed_ms = crate::healer::millis(started.elapsed()),
+        load_ms = crate::healer::millis(loaded),
+        refresh_ms = crate::healer::millis(refreshed - loaded),
+        reconcile_ms = crate::healer::millis(started.elapsed() - refreshed),
         "recovery finished; ready"
     );
     for problem in &report.unreconciled {
