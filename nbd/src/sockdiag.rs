@@ -97,14 +97,7 @@ pub enum Lookup {
 /// Looks up the TCP connection `local` ↔ `peer`.
 pub fn lookup_tcp(local: SocketAddr, peer: SocketAddr) -> Result<Lookup, Error> {
     match exchange(SOCK_DIAG_BY_FAMILY, local, peer)? {
-        // The reply is a `struct inet_diag_msg`: the TCP state is its second byte, the inode
-        // the u32 at offset 68 (after family, state, timer, retrans, the 48-byte socket id,
-        // expires, rqueue, wqueue and uid).
-        Some(msg) if msg.len() >= 72 => Ok(Lookup::Found {
-            established: msg[1] == TCP_ESTABLISHED,
-            inode: u64::from(u32::from_ne_bytes([msg[68], msg[69], msg[70], msg[71]])),
-        }),
-        Some(msg) => Err(Error::BadReply {
+        Some(msg) => found(&msg).ok_or_else(|| Error::BadReply {
             op: "SOCK_DIAG",
             detail: format!("inet_diag_msg of {} bytes", msg.len()),
         }),
@@ -113,14 +106,33 @@ pub fn lookup_tcp(local: SocketAddr, peer: SocketAddr) -> Result<Lookup, Error> 
     }
 }
 
+/// What a `struct inet_diag_msg` says of its socket: the TCP state is its second byte, the
+/// inode the u32 at offset 68 (after family, state, timer, retrans, the 48-byte socket id,
+/// expires, rqueue, wqueue and uid). `None` for a message too short to be one.
+fn found(msg: &[u8]) -> Option<Lookup> {
+    let inode = msg.get(68..72)?;
+    Some(Lookup::Found {
+        established: msg[1] == TCP_ESTABLISHED,
+        inode: u64::from(u32::from_ne_bytes([inode[0], inode[1], inode[2], inode[3]])),
+    })
+}
+
 /// Whether the TCP connection `local` ↔ `peer` is established (held open by someone).
 /// `None` when the kernel cannot tell (see [`Lookup::Unknown`]).
 pub fn tcp_established(local: SocketAddr, peer: SocketAddr) -> Result<Option<bool>, Error> {
-    Ok(match lookup_tcp(local, peer)? {
-        Lookup::Found { established, .. } => Some(established),
-        Lookup::Absent => Some(false),
-        Lookup::Unknown => None,
-    })
+    Ok(lookup_tcp(local, peer)?.established())
+}
+
+impl Lookup {
+    /// Whether the connection is established: an absent one is not, and `None` when the
+    /// kernel cannot tell.
+    pub fn established(self) -> Option<bool> {
+        match self {
+            Lookup::Found { established, .. } => Some(established),
+            Lookup::Absent => Some(false),
+            Lookup::Unknown => None,
+        }
+    }
 }
 
 fn no_handler(op: &'static str, local: SocketAddr, peer: SocketAddr) -> Error {
@@ -159,24 +171,16 @@ fn handler_loaded() -> Result<bool, Error> {
 /// kernel once per connection.
 #[derive(Debug, Default)]
 pub struct TcpTable {
-    sockets: HashMap<(SocketAddr, SocketAddr), (bool, u64)>,
+    sockets: HashMap<(SocketAddr, SocketAddr), Lookup>,
 }
 
 impl TcpTable {
     /// [`lookup_tcp`], answered from the dump.
     pub fn lookup(&self, local: SocketAddr, peer: SocketAddr) -> Lookup {
-        match self.sockets.get(&(local, peer)) {
-            Some(&(established, inode)) => Lookup::Found { established, inode },
-            None => Lookup::Absent,
-        }
-    }
-
-    pub fn len(&self) -> usize {
-        self.sockets.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.sockets.is_empty()
+        self.sockets
+            .get(&(local, peer))
+            .copied()
+            .unwrap_or(Lookup::Absent)
     }
 }
 
@@ -218,8 +222,8 @@ fn dump(family: libc::c_int, table: &mut TcpTable) -> Result<bool, Error> {
             }
             match reply.nl_payload() {
                 NlPayload::Payload(p) => {
-                    if let Some((pair, entry)) = parse_diag_msg(p.as_ref()) {
-                        table.sockets.insert(pair, entry);
+                    if let Some((pair, lookup)) = parse_diag_msg(p.as_ref()) {
+                        table.sockets.insert(pair, lookup);
                     }
                 }
                 NlPayload::Err(e) if -*e.error() == libc::ENOENT => return Ok(false),
@@ -238,12 +242,10 @@ fn dump(family: libc::c_int, table: &mut TcpTable) -> Result<bool, Error> {
     }
 }
 
-/// A `struct inet_diag_msg`: family, state, timer, retrans, the socket id (ports and
-/// addresses in network byte order, interface, cookie), expires, rqueue, wqueue, uid, inode.
-fn parse_diag_msg(msg: &[u8]) -> Option<((SocketAddr, SocketAddr), (bool, u64))> {
-    if msg.len() < 72 {
-        return None;
-    }
+/// A `struct inet_diag_msg`'s address pair (the socket id: ports and addresses in network
+/// byte order, after family, state, timer and retrans) and what [`found`] reads of it.
+fn parse_diag_msg(msg: &[u8]) -> Option<((SocketAddr, SocketAddr), Lookup)> {
+    let lookup = found(msg)?;
     let port = |at: usize| u16::from_be_bytes([msg[at], msg[at + 1]]);
     let ip = |at: usize| -> Option<IpAddr> {
         match i32::from(msg[0]) {
@@ -254,8 +256,7 @@ fn parse_diag_msg(msg: &[u8]) -> Option<((SocketAddr, SocketAddr), (bool, u64))>
     };
     let local = SocketAddr::new(ip(8)?, port(4));
     let peer = SocketAddr::new(ip(24)?, port(6));
-    let inode = u64::from(u32::from_ne_bytes([msg[68], msg[69], msg[70], msg[71]]));
-    Some(((local, peer), (msg[1] == TCP_ESTABLISHED, inode)))
+    Some(((local, peer), lookup))
 }
 
 /// One request about one socket. `None` when the kernel has no such socket; otherwise the

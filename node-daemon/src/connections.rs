@@ -101,14 +101,9 @@ pub fn liveness_in(
     snapshot: Option<&nbd::sockdiag::TcpTable>,
     known: &[TcpConnection],
 ) -> Liveness {
-    use nbd::sockdiag::Lookup;
     let states: Vec<Option<bool>> = known
         .iter()
-        .map(|c| match snapshot.map(|t| t.lookup(c.local, c.peer)) {
-            Some(Lookup::Found { established, .. }) => Some(established),
-            Some(Lookup::Absent) => Some(false),
-            Some(Lookup::Unknown) | None => None,
-        })
+        .map(|c| snapshot.and_then(|t| t.lookup(c.local, c.peer).established()))
         .collect();
     liveness_of(&states)
 }

@@ -43,7 +43,7 @@ impl Node {
         };
         // Journaled before anything else: a crash from here on must not heal it again.
         if let Err(e) = self.set_fenced(volume, &record.identifier, fenced) {
-            tracing::error!(%volume, error = %e, "could not journal the fence; the volume is fenced until the daemon restarts");
+            tracing::error!(%volume, error = %e, "could not journal the fence; its next redial (now, or after a restart) is refused and fences it again");
         }
         self.metrics.fenced.inc();
         self.set_link(
