@@ -545,3 +545,109 @@ async fn calls_made_while_the_export_is_down_answer_and_an_expansion_outlives_it
     vol.down(&mut c).await;
     assert_clean(&daemon);
 }
+
+/// A pod that writes to a raw volume without pause: every write and its flush, from a thread
+/// of its own, until `stop`. Returns the acknowledged writes (offset → seed), or the first
+/// error.
+fn raw_writer(
+    target: std::path::PathBuf,
+    span: u64,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> std::thread::JoinHandle<Result<Vec<(u64, u64)>, String>> {
+    const SLOT: u64 = 64 * 1024;
+    std::thread::spawn(move || {
+        let f = DirectFile::open(&target, true).map_err(|e| e.to_string())?;
+        let mut acked = std::collections::BTreeMap::new();
+        let mut seed = 1u64;
+        while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let offset = (seed >> 33) % (span / SLOT) * SLOT;
+            f.write_at(&pattern(seed, offset, SLOT as usize), offset)
+                .and_then(|()| f.sync())
+                .map_err(|e| {
+                    format!("write at {offset} after {} acknowledged: {e}", acked.len())
+                })?;
+            acked.insert(offset, seed);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(acked.into_iter().collect())
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn an_expansion_that_meets_a_dead_link_waits_for_the_heal_and_holds_up_nothing() {
+    let mut daemon = NodeDaemon::new("expanddead", CONFIG).unwrap();
+    // A window after the connections are replaced and before the size changes: the server
+    // dies in it, with a pod's writes waiting for the link.
+    let mut c = daemon.start(Some("expand-before-resize=pause(3000)")).await;
+    let mut vol = Volume::new_on(&daemon, "expand-dead", 64 * MIB, block(), Listen::Tcp);
+    vol.up(&mut c).await;
+    let index = vol.device(&daemon).unwrap();
+    let errors_before = kernel_io_errors();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = raw_writer(vol.target.clone(), 64 * MIB, std::sync::Arc::clone(&stop));
+
+    vol.resize_backing(96 * MIB);
+    let expand = {
+        let mut node = c.node.clone();
+        let req = expand_request(&vol.id, &vol.target, &vol.staging, (96 * MIB) as i64);
+        tokio::spawn(async move { node.node_expand_volume(req).await })
+    };
+    daemon.wait_paused("expand-before-resize").await;
+    vol.server.kill();
+    // The window ends while the server is away. Since 6.9 a resize sent now would freeze
+    // the queue behind the waiting writes, under the mutex the heal needs too, until the
+    // dead-connection timeout (30 s) failed them.
+    keeps_answering(&mut c, &vol, Duration::from_secs(5)).await;
+    assert_eq!(
+        Sysfs::default().size_bytes(index).unwrap(),
+        64 * MIB,
+        "no resize while the link is down"
+    );
+    vol.server.start().unwrap();
+    let back = Instant::now();
+    wait_condition(&mut c, &vol, false).await;
+    let healed_in = back.elapsed();
+    assert!(
+        healed_in < Duration::from_secs(15),
+        "healed {healed_in:?} after the server returned: something held the heal up"
+    );
+    let grown = tokio::time::timeout(Duration::from_secs(30), expand)
+        .await
+        .expect("NodeExpandVolume finishes once the link is back")
+        .unwrap()
+        .unwrap_or_else(|e| panic!("NodeExpandVolume across the outage: {e:?}"))
+        .into_inner();
+    assert_eq!(grown.capacity_bytes, (96 * MIB) as i64);
+    assert_eq!(Sysfs::default().size_bytes(index).unwrap(), 96 * MIB);
+
+    // The pod's writes went on through the outage: none failed, each is on the server.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let acked = writer
+        .join()
+        .unwrap()
+        .unwrap_or_else(|e| panic!("the pod's write failed: {e}"));
+    assert!(
+        acked.len() > 10,
+        "the writer made progress: {}",
+        acked.len()
+    );
+    for (offset, seed) in &acked {
+        assert!(
+            vol.read_backing(*offset, 64 * 1024) == pattern(*seed, *offset, 64 * 1024),
+            "the write at {offset} is not on the server"
+        );
+    }
+    assert_eq!(
+        kernel_io_errors(),
+        errors_before,
+        "no I/O error in the kernel log"
+    );
+    block_round_trip(&vol, 90 * MIB, 7);
+    vol.down(&mut c).await;
+    assert_clean(&daemon);
+}

@@ -12,6 +12,8 @@ use neli::nl::NlPayload;
 use neli::router::asynchronous::{NlRouter, NlRouterReceiverHandle};
 use neli::utils::Groups;
 
+use std::sync::Arc;
+
 use super::consts::{NbdCmd, FAMILY_NAME, MCAST_GROUP};
 use super::message::{self, ConnectRequest, DeviceStatus, NbdMessage, ReconfigureRequest};
 use crate::identity::DeviceIndex;
@@ -20,7 +22,7 @@ use crate::Error;
 
 /// A netlink socket bound to the `nbd` family. Cheap to share behind an `Arc`.
 pub struct NbdNetlink {
-    router: NlRouter,
+    router: Arc<NlRouter>,
     family: u16,
 }
 
@@ -44,7 +46,10 @@ impl NbdNetlink {
             .enable_ext_ack(true)
             .map_err(|e| Error::NetlinkSocket(e.to_string()))?;
         let family = resolve_family(&router).await?;
-        Ok(Self { router, family })
+        Ok(Self {
+            router: Arc::new(router),
+            family,
+        })
     }
 
     /// Attaches the given sockets to a device and returns its index. One attempt: EBUSY
@@ -120,10 +125,19 @@ impl NbdNetlink {
         device: &str,
         msg: NbdMessage,
     ) -> Result<Vec<NbdMessage>, Error> {
-        let mut recv: NlRouterReceiverHandle<u16, NbdMessage> = self
-            .router
-            .send(self.family, NlmF::ACK, NlPayload::Payload(msg))
+        // The kernel runs nbd's handler inside our `sendmsg`, under the genl mutex every nbd
+        // request of the machine shares, and a handler can wait there for tens of seconds: a
+        // size RECONFIGURE freezes the queue until the I/O in flight ends (6.9 and later),
+        // DISCONNECT sends on a socket that may be stalled. So the send runs on a blocking
+        // thread: a runtime worker never waits for the kernel; the reply is awaited here.
+        let (router, family) = (Arc::clone(&self.router), self.family);
+        let runtime = tokio::runtime::Handle::current();
+        let mut recv: NlRouterReceiverHandle<u16, NbdMessage> =
+            tokio::task::spawn_blocking(move || {
+                runtime.block_on(router.send(family, NlmF::ACK, NlPayload::Payload(msg)))
+            })
             .await
+            .map_err(|e| Error::NetlinkSocket(format!("sending {op}: the sending thread: {e}")))?
             .map_err(|e| Error::NetlinkSocket(format!("sending {op}: {e}")))?;
         let mut replies = Vec::new();
         while let Some(next) = recv.next::<u16, NbdMessage>().await {

@@ -122,7 +122,7 @@ fn code(rpc: Rpc, e: &NodeError) -> Code {
             | ExpandError::UnalignedSize { .. }
             | ExpandError::OldConnections { .. } => Code::FailedPrecondition,
             // The connections may be replaceable on the next try: the CO retries.
-            ExpandError::ReplaceTimedOut { .. } => Code::Unavailable,
+            ExpandError::ReplaceTimedOut { .. } | ExpandError::LinkDown { .. } => Code::Unavailable,
         },
         N::NotReady => Code::Unavailable,
         // Spec, "Concurrency": an operation pending on the volume is ABORTED.
@@ -732,6 +732,16 @@ mod tests {
                 Code::Unavailable,
                 Retry,
             ),
+            (
+                NodeExpand,
+                ExpandError::LinkDown {
+                    volume: v(),
+                    detail: "1 of its TCP connections are closed".into(),
+                }
+                .into(),
+                Code::Unavailable,
+                Retry,
+            ),
             // The libraries' errors.
             (NodeStage, unknown_export().into(), Code::NotFound, RollBack),
             (
@@ -827,6 +837,14 @@ mod tests {
                 }
                 .into(),
                 "its size is unchanged",
+            ),
+            (
+                ExpandError::LinkDown {
+                    volume: v(),
+                    detail: "the daemon is reconnecting it".into(),
+                }
+                .into(),
+                "retry once it has healed",
             ),
             (
                 JournalError::Io {

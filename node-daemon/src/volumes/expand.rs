@@ -62,6 +62,13 @@ pub enum ExpandError {
         "could not give volume {volume} new connections within {within:?}; its size is unchanged"
     )]
     ReplaceTimedOut { volume: String, within: Duration },
+    /// The kernel resizes with the device's queue frozen: never while I/O may wait for a
+    /// reconnect (see `Node::resize_while_live`).
+    #[error(
+        "the link of volume {volume} to its export is not proven live ({detail}); the device is not \
+         resized while its I/O may wait for a reconnect, and keeps its size: retry once it has healed"
+    )]
+    LinkDown { volume: String, detail: String },
 }
 
 #[derive(Debug)]
@@ -172,13 +179,8 @@ impl Node {
             return Err(e);
         }
         if current != to_bytes {
-            if !self.connections_of(&record.volume_id).is_empty()
-                || self.held.holds_every_slot(&record.volume_id)
-            {
-                self.replace_connections_quiesced(&record, &device, current)
-                    .await?;
-            }
-            self.resize(&record.volume_id, &device, to_bytes).await?;
+            self.replace_and_resize_quiesced(&record, &device, current, to_bytes)
+                .await?;
         }
         let (dev_probe, tools) = (dev.clone(), Arc::clone(&self.tools));
         // A device that cannot read at all is a degraded server, not old connections: the
@@ -195,7 +197,7 @@ impl Node {
             } else {
                 record.size_bytes.unwrap_or(current)
             };
-            self.resize(&record.volume_id, &device, old).await?;
+            self.resize_while_live(&record, &device, old).await?;
             self.end_expansion(&mut record, old)?;
             return Err(ExpandError::OldConnections {
                 volume: record.volume_id.to_string(),
@@ -222,20 +224,63 @@ impl Node {
         self.advance(record, Phase::Staged)
     }
 
-    /// RECONFIGURE to `bytes`, under the link lock, and wait until the kernel shows it.
-    async fn resize(
+    /// RECONFIGURE to `bytes`, and wait until the kernel shows it; never while the device's
+    /// link is down.
+    ///
+    /// Since 6.9 the kernel freezes the device's queue to change its size, inside the
+    /// RECONFIGURE and under the genl mutex that every nbd request of the machine takes. The
+    /// freeze waits for every request in flight, and a request waiting for a dead link ends
+    /// only at a reconnect or at the dead-connection timeout. The reconnect is a RECONFIGURE
+    /// too, stuck behind that mutex: a resize sent while the link is down holds the volume's
+    /// I/O, and every other volume's healing, until the timeout fails the waiting I/O. So the
+    /// size changes only right after a read has proven the link live, under the link lock
+    /// (our own reconnects stay out of the gap) and while the kernel shows one of the
+    /// device's TCP connections established. A filesystem is kept frozen across it, so
+    /// nothing of its own is in flight.
+    async fn resize_while_live(
         &self,
-        volume: &str,
+        record: &Record,
         device: &ProvenDevice,
         bytes: u64,
     ) -> Result<(), NodeError> {
         let index = device.index();
-        if self.kernel.size_bytes(index)? == bytes {
+        let current = self.kernel.size_bytes(index)?;
+        if current == bytes {
             return Ok(());
         }
-        {
-            let _link = self.link_locks.lock(volume).await;
-            self.kernel.resize(device, bytes).await?;
+        let volume = record.volume_id.as_str();
+        let link_down = |detail: String| ExpandError::LinkDown {
+            volume: volume.to_owned(),
+            detail,
+        };
+        fail::fail_point!("expand-before-resize");
+        crate::failpoints::pause("expand-before-resize").await;
+        let until = connections::deadline();
+        loop {
+            // The read waits for a heal if the link is down (the healer is not held up): its
+            // answer is the proof, whenever it comes; the dead-connection timeout fails it.
+            let (dev, tools) = (self.kernel.dev_path(index), Arc::clone(&self.tools));
+            off_runtime("read before resizing", move || {
+                Ok(tools.serves_size(&dev, current)?)
+            })
+            .await
+            .map_err(|e| link_down(format!("the device could not be read: {e}")))?;
+            {
+                let _link = self.link_locks.lock(volume).await;
+                if self.some_connection_open(volume) {
+                    let device = self.kernel.prove(index, device.identifier())?;
+                    self.kernel.resize(&device, bytes).await?;
+                    break;
+                }
+            }
+            if std::time::Instant::now() > until {
+                return Err(link_down(format!(
+                    "every TCP connection closed again after each read, for {:?}",
+                    connections::REPLACE_WITHIN
+                ))
+                .into());
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
         self.kernel
             .wait_ready(index, bytes, Duration::from_secs(10))
@@ -243,16 +288,31 @@ impl Node {
         Ok(())
     }
 
-    /// [`Node::replace_connections`] with the filesystem frozen, if there is one: nothing is in
-    /// flight when the old connections go, so nothing waits for the I/O timeout to be sent
-    /// again (and a server is never cut off mid-reply). A crash while frozen is undone by
-    /// recovery, which thaws the staging mount of every expansion it finishes.
-    async fn replace_connections_quiesced(
+    /// Whether one of the device's TCP connections may still carry I/O: `false` only when the
+    /// kernel shows every one closed (a device with live connections sends I/O over them
+    /// rather than waiting for a reconnect). Unix-socket connections cannot be asked after;
+    /// the read before the resize is their proof.
+    fn some_connection_open(&self, volume: &str) -> bool {
+        let states = connections::states(&self.connections_of(volume));
+        states.is_empty() || states.iter().any(|s| *s != Some(false))
+    }
+
+    /// New connections where the server serves the new size only on new ones, then the new
+    /// size, with the filesystem frozen, if there is one: nothing is in flight when the old
+    /// connections go, so nothing waits for the I/O timeout to be sent again (and a server is
+    /// never cut off mid-reply), and nothing of the filesystem's is in flight when the kernel
+    /// freezes the queue to resize (see [`Node::resize_while_live`]). A crash while frozen is
+    /// undone by recovery, which thaws the staging mount of every expansion it finishes.
+    async fn replace_and_resize_quiesced(
         &self,
         record: &Record,
         device: &ProvenDevice,
         current: u64,
+        to_bytes: u64,
     ) -> Result<(), NodeError> {
+        let volume = record.volume_id.as_str();
+        // Decided before the window below, in which the connections may die.
+        let replace = !self.connections_of(volume).is_empty() || self.held.holds_every_slot(volume);
         let staging = self.our_staging_mount(record)?;
         if let Some(dir) = staging.clone() {
             let tools = Arc::clone(&self.tools);
@@ -260,12 +320,18 @@ impl Node {
             fail::fail_point!("expand-while-frozen");
             crate::failpoints::pause("expand-while-frozen").await;
         }
-        let replaced = self.replace_connections(record, device, current).await;
+        let grown = async {
+            if replace {
+                self.replace_connections(record, device, current).await?;
+            }
+            self.resize_while_live(record, device, to_bytes).await
+        }
+        .await;
         if let Some(dir) = staging {
             let tools = Arc::clone(&self.tools);
             off_runtime("thaw", move || Ok(tools.thaw(&dir)?)).await?;
         }
-        replaced
+        grown
     }
 
     /// The staging path, if the volume's filesystem is mounted there from its device (never
