@@ -5,22 +5,26 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, Notify};
 
 /// (image, node): one grant.
 type Key = (String, String);
 
+/// A connection stays listed until it is gone, cut or not: a revoke abandoned mid-way (its
+/// call dropped at the CO's deadline) has told connections to close, and its retry must
+/// still wait until they have, or it would answer before the last forwarded write landed.
 #[derive(Debug, Default)]
 pub struct Sessions {
     open: Mutex<HashMap<Key, HashMap<u64, Entry>>>,
     next: AtomicU64,
+    /// Woken whenever a connection is gone.
+    closed: Notify,
 }
 
 #[derive(Debug)]
 struct Entry {
-    cut: oneshot::Sender<()>,
-    /// Resolves (with an error) once the connection's [`Registration`] is dropped.
-    gone: oneshot::Receiver<()>,
+    /// Taken when the connection is told to close.
+    cut: Option<oneshot::Sender<()>>,
 }
 
 /// One connection's place in [`Sessions`], held by the task serving it: dropping it says the
@@ -31,7 +35,6 @@ pub struct Registration {
     key: Key,
     id: u64,
     cut: oneshot::Receiver<()>,
-    _gone: oneshot::Sender<()>,
 }
 
 impl Sessions {
@@ -44,42 +47,43 @@ impl Sessions {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         let key = (image.to_owned(), node.to_owned());
         let (cut_tx, cut_rx) = oneshot::channel();
-        let (gone_tx, gone_rx) = oneshot::channel();
-        self.open().entry(key.clone()).or_default().insert(
-            id,
-            Entry {
-                cut: cut_tx,
-                gone: gone_rx,
-            },
-        );
+        self.open()
+            .entry(key.clone())
+            .or_default()
+            .insert(id, Entry { cut: Some(cut_tx) });
         Registration {
             sessions: Arc::clone(self),
             key,
             id,
             cut: cut_rx,
-            _gone: gone_tx,
         }
     }
 
-    /// Cuts every open connection of `node`'s grant of `image` and waits until each is gone.
+    /// Cuts every open connection of `node`'s grant of `image` and waits until each is gone,
+    /// including those an earlier, abandoned cut told to close. Returns how many were open.
     pub async fn cut(&self, image: &str, node: &str) -> usize {
-        let entries = self
-            .open()
-            .remove(&(image.to_owned(), node.to_owned()))
-            .unwrap_or_default();
-        let n = entries.len();
-        let mut waiting = Vec::with_capacity(n);
-        for entry in entries.into_values() {
-            let _ = entry.cut.send(());
-            waiting.push(entry.gone);
+        let key = (image.to_owned(), node.to_owned());
+        let n = self.open().get_mut(&key).map_or(0, |of_grant| {
+            for entry in of_grant.values_mut() {
+                if let Some(cut) = entry.cut.take() {
+                    let _ = cut.send(());
+                }
+            }
+            of_grant.len()
+        });
+        loop {
+            // Armed before the check, so a connection gone in between still wakes us.
+            let closed = self.closed.notified();
+            tokio::pin!(closed);
+            closed.as_mut().enable();
+            if self.count(image, node) == 0 {
+                return n;
+            }
+            closed.await;
         }
-        for gone in waiting {
-            let _ = gone.await;
-        }
-        n
     }
 
-    /// Open connections of `node`'s grant of `image`.
+    /// Open connections of `node`'s grant of `image`, cut or not.
     pub fn count(&self, image: &str, node: &str) -> usize {
         self.open()
             .get(&(image.to_owned(), node.to_owned()))
@@ -96,13 +100,16 @@ impl Registration {
 
 impl Drop for Registration {
     fn drop(&mut self) {
-        let mut open = self.sessions.open();
-        if let Some(of_grant) = open.get_mut(&self.key) {
-            of_grant.remove(&self.id);
-            if of_grant.is_empty() {
-                open.remove(&self.key);
+        {
+            let mut open = self.sessions.open();
+            if let Some(of_grant) = open.get_mut(&self.key) {
+                of_grant.remove(&self.id);
+                if of_grant.is_empty() {
+                    open.remove(&self.key);
+                }
             }
         }
+        self.sessions.closed.notify_waiters();
     }
 }
 
@@ -138,6 +145,43 @@ mod tests {
             sessions.count("img", "node-b"),
             0,
             "a closed connection leaves"
+        );
+    }
+
+    /// kubelet's attacher gives a ControllerUnpublish up at its deadline and calls again: the
+    /// second revoke still waits for the connection the first one told to close.
+    #[tokio::test]
+    async fn a_cut_retried_after_an_abandoned_one_waits_for_the_connection() {
+        let sessions = Arc::new(Sessions::default());
+        let mut a = sessions.register("img", "node-a");
+        let served = tokio::spawn(async move {
+            a.cut().await;
+            // nbdkit finishing what was forwarded before the cut.
+            tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+            drop(a);
+            std::time::Instant::now()
+        });
+        let abandoned = tokio::time::timeout(
+            std::time::Duration::from_millis(50),
+            sessions.cut("img", "node-a"),
+        )
+        .await;
+        assert!(abandoned.is_err(), "the first cut waits for the connection");
+        assert_eq!(
+            sessions.count("img", "node-a"),
+            1,
+            "still listed until gone"
+        );
+        assert_eq!(sessions.cut("img", "node-a").await, 1);
+        let retried_returned = std::time::Instant::now();
+        assert!(
+            served.await.unwrap() <= retried_returned,
+            "the retried cut returned before the connection was gone"
+        );
+        assert_eq!(
+            sessions.cut("img", "node-a").await,
+            0,
+            "nothing left to cut"
         );
     }
 }
