@@ -688,3 +688,61 @@ async fn publish_grants_the_node_and_unpublish_fences_it() {
         .await
         .unwrap();
 }
+
+/// The external-attacher gives a call up at its deadline and calls again later. An
+/// unpublish given up mid-way still revokes the grant and cuts the node's connection, on its
+/// own; the publication it removed lets another node publish the volume.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unpublish_given_up_at_its_deadline_still_fences_the_node() {
+    let mut c = start().await;
+    let v = created_volume(&mut c.client, create("pvc-abandoned", MIB, ext4())).await;
+    let uri = granted_uri(&c, &v.volume_id, "node-a", ext4()).await;
+    dialed_size(&uri).await.unwrap();
+    let parsed: nbd::NbdUri = uri.parse().unwrap();
+    let opts = nbd::dial::DialOptions {
+        deadline: Duration::from_secs(5),
+        ..Default::default()
+    };
+    let (_, open) = nbd::dial::dial_one(&parsed, &opts).await.unwrap();
+
+    let mut given_up = tonic::Request::new(controller_unpublish_request(&v.volume_id, "node-a"));
+    given_up.set_timeout(Duration::from_millis(1));
+    let e = c
+        .client
+        .controller_unpublish_volume(given_up)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e.code(), Code::DeadlineExceeded | Code::Cancelled),
+        "{e:?}"
+    );
+
+    // No retry yet: the work goes on without its caller.
+    let open = std::net::TcpStream::from(open);
+    open.set_nonblocking(true).unwrap();
+    let open = tokio::net::TcpStream::from_std(open).unwrap();
+    let started = Instant::now();
+    loop {
+        let refused = dialed_size(&uri).await.is_err_and(|e| is_refusal(&e));
+        let mut byte = [0u8; 1];
+        let closed = matches!(
+            tokio::time::timeout(Duration::from_millis(100), open.peek(&mut byte)).await,
+            Ok(Ok(0) | Err(_))
+        );
+        if refused && closed {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the given-up unpublish never finished: token refused {refused}, connection closed {closed}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let b = granted_uri(&c, &v.volume_id, "node-b", ext4()).await;
+    assert_eq!(dialed_size(&b).await.unwrap(), 1 << 20, "node B opens it");
+    c.client
+        .controller_unpublish_volume(controller_unpublish_request(&v.volume_id, "node-a"))
+        .await
+        .unwrap();
+    assert!(dialed_size(&uri).await.is_err_and(|e| is_refusal(&e)));
+}

@@ -21,7 +21,7 @@ use crate::provision::Provisioner;
 
 #[derive(Debug)]
 pub struct ControllerService {
-    provisioner: Provisioner,
+    provisioner: Arc<Provisioner>,
     metrics: Arc<ControllerMetrics>,
 }
 
@@ -42,21 +42,27 @@ trait Subject {
 impl ControllerService {
     pub fn new(provisioner: Provisioner, metrics: Arc<ControllerMetrics>) -> Self {
         Self {
-            provisioner,
+            provisioner: Arc::new(provisioner),
             metrics,
         }
     }
 
     /// Runs one RPC: in a span naming it and what it is about, counted with its latency and
     /// code, its error mapped by the status table and logged once.
+    ///
+    /// The work runs as a task of its own, which finishes even when the CO gives the call up
+    /// (tonic drops the handler at the deadline): an unpublish dropped mid-way would release
+    /// the image's lock with its revoke half done, and a publish with its grant made but not
+    /// recorded. The retry waits for the image's lock and finds the work finished.
     async fn call<R: Subject, T, F>(
         &self,
         rpc: Rpc,
         request: Request<R>,
-        work: impl FnOnce(R) -> F,
+        work: impl FnOnce(Arc<Provisioner>, R) -> F,
     ) -> Result<Response<T>, Status>
     where
-        F: Future<Output = Result<T, Error>>,
+        F: Future<Output = Result<T, Error>> + Send + 'static,
+        T: Send + 'static,
     {
         let request = request.into_inner();
         let about = request.about();
@@ -79,21 +85,28 @@ impl ControllerService {
             }
         }
         let started = std::time::Instant::now();
-        let result = work(request).instrument(span.clone()).await;
-        let answer = result.map(Response::new).map_err(|e| {
-            let status = codes::status(rpc, &e);
-            span.in_scope(|| {
-                tracing::warn!(code = ?status.code(), message = status.message(), "failed");
+        let (provisioner, metrics) = (Arc::clone(&self.provisioner), Arc::clone(&self.metrics));
+        let work = work(provisioner, request);
+        let task = tokio::spawn(async move {
+            let result = work.instrument(span.clone()).await;
+            let answer = result.map(Response::new).map_err(|e| {
+                let status = codes::status(rpc, &e);
+                span.in_scope(|| {
+                    tracing::warn!(code = ?status.code(), message = status.message(), "failed");
+                });
+                status
             });
-            status
+            let code = answer
+                .as_ref()
+                .map_or_else(Status::code, |_| tonic::Code::Ok);
+            metrics
+                .calls
+                .observe(rpc.name(), code, started.elapsed().as_secs_f64());
+            answer
         });
-        let code = answer
-            .as_ref()
-            .map_or_else(Status::code, |_| tonic::Code::Ok);
-        self.metrics
-            .calls
-            .observe(rpc.name(), code, started.elapsed().as_secs_f64());
-        answer
+        // A panic in the work is the call's panic, as it was before the work had a task.
+        task.await
+            .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()))
     }
 }
 
@@ -218,24 +231,28 @@ impl Controller for ControllerService {
         &self,
         r: Request<CreateVolumeRequest>,
     ) -> Result<Response<CreateVolumeResponse>, Status> {
-        self.call(Rpc::CreateVolume, r, |r| self.provisioner.create_volume(r))
-            .await
+        self.call(Rpc::CreateVolume, r, |p, r| async move {
+            p.create_volume(r).await
+        })
+        .await
     }
 
     async fn delete_volume(
         &self,
         r: Request<DeleteVolumeRequest>,
     ) -> Result<Response<DeleteVolumeResponse>, Status> {
-        self.call(Rpc::DeleteVolume, r, |r| self.provisioner.delete_volume(r))
-            .await
+        self.call(Rpc::DeleteVolume, r, |p, r| async move {
+            p.delete_volume(r).await
+        })
+        .await
     }
 
     async fn controller_publish_volume(
         &self,
         r: Request<ControllerPublishVolumeRequest>,
     ) -> Result<Response<ControllerPublishVolumeResponse>, Status> {
-        self.call(Rpc::ControllerPublishVolume, r, |r| {
-            self.provisioner.publish(r)
+        self.call(Rpc::ControllerPublishVolume, r, |p, r| async move {
+            p.publish(r).await
         })
         .await
     }
@@ -244,8 +261,8 @@ impl Controller for ControllerService {
         &self,
         r: Request<ControllerUnpublishVolumeRequest>,
     ) -> Result<Response<ControllerUnpublishVolumeResponse>, Status> {
-        self.call(Rpc::ControllerUnpublishVolume, r, |r| {
-            self.provisioner.unpublish(r)
+        self.call(Rpc::ControllerUnpublishVolume, r, |p, r| async move {
+            p.unpublish(r).await
         })
         .await
     }
@@ -254,8 +271,8 @@ impl Controller for ControllerService {
         &self,
         r: Request<ValidateVolumeCapabilitiesRequest>,
     ) -> Result<Response<ValidateVolumeCapabilitiesResponse>, Status> {
-        self.call(Rpc::ValidateVolumeCapabilities, r, |r| {
-            self.provisioner.validate_capabilities(r)
+        self.call(Rpc::ValidateVolumeCapabilities, r, |p, r| async move {
+            p.validate_capabilities(r).await
         })
         .await
     }
@@ -264,15 +281,19 @@ impl Controller for ControllerService {
         &self,
         r: Request<GetCapacityRequest>,
     ) -> Result<Response<GetCapacityResponse>, Status> {
-        self.call(Rpc::GetCapacity, r, |r| self.provisioner.capacity(r))
-            .await
+        self.call(
+            Rpc::GetCapacity,
+            r,
+            |p, r| async move { p.capacity(r).await },
+        )
+        .await
     }
 
     async fn controller_get_capabilities(
         &self,
         r: Request<ControllerGetCapabilitiesRequest>,
     ) -> Result<Response<ControllerGetCapabilitiesResponse>, Status> {
-        self.call(Rpc::ControllerGetCapabilities, r, |_| async {
+        self.call(Rpc::ControllerGetCapabilities, r, |_, _| async {
             Ok(ControllerGetCapabilitiesResponse {
                 capabilities: CAPABILITIES.into_iter().map(capability_of).collect(),
             })
@@ -284,8 +305,8 @@ impl Controller for ControllerService {
         &self,
         r: Request<CreateSnapshotRequest>,
     ) -> Result<Response<CreateSnapshotResponse>, Status> {
-        self.call(Rpc::CreateSnapshot, r, |r| {
-            self.provisioner.create_snapshot(r)
+        self.call(Rpc::CreateSnapshot, r, |p, r| async move {
+            p.create_snapshot(r).await
         })
         .await
     }
@@ -294,8 +315,8 @@ impl Controller for ControllerService {
         &self,
         r: Request<DeleteSnapshotRequest>,
     ) -> Result<Response<DeleteSnapshotResponse>, Status> {
-        self.call(Rpc::DeleteSnapshot, r, |r| {
-            self.provisioner.delete_snapshot(r)
+        self.call(Rpc::DeleteSnapshot, r, |p, r| async move {
+            p.delete_snapshot(r).await
         })
         .await
     }
@@ -304,8 +325,8 @@ impl Controller for ControllerService {
         &self,
         r: Request<ListSnapshotsRequest>,
     ) -> Result<Response<ListSnapshotsResponse>, Status> {
-        self.call(Rpc::ListSnapshots, r, |r| {
-            self.provisioner.list_snapshots(r)
+        self.call(Rpc::ListSnapshots, r, |p, r| async move {
+            p.list_snapshots(r).await
         })
         .await
     }
@@ -314,8 +335,8 @@ impl Controller for ControllerService {
         &self,
         r: Request<ControllerExpandVolumeRequest>,
     ) -> Result<Response<ControllerExpandVolumeResponse>, Status> {
-        self.call(Rpc::ControllerExpandVolume, r, |r| {
-            self.provisioner.expand_volume(r)
+        self.call(Rpc::ControllerExpandVolume, r, |p, r| async move {
+            p.expand_volume(r).await
         })
         .await
     }
