@@ -146,6 +146,18 @@ impl Sysfs {
         Ok(sectors * 512)
     }
 
+    /// Requests the block layer has in flight on the device (reads and writes, submitted and
+    /// not yet completed: `inflight`).
+    pub fn in_flight(&self, index: DeviceIndex) -> Result<u64, Error> {
+        let (path, text) = self.read_attr(index, "inflight")?;
+        text.split_whitespace()
+            .map(|n| {
+                n.parse::<u64>()
+                    .map_err(|_| invalid_data(path.clone(), format!("not two numbers: {text:?}")))
+            })
+            .sum()
+    }
+
     /// Whether the kernel marked the device read-only.
     pub fn read_only(&self, index: DeviceIndex) -> Result<bool, Error> {
         let (_, text) = self.read_attr(index, "ro")?;

@@ -71,6 +71,9 @@ pub enum ExpandError {
     LinkDown { volume: String, detail: String },
 }
 
+/// How long a resize waits for the device to have no request in flight.
+const IDLE_WITHIN: Duration = Duration::from_secs(2);
+
 #[derive(Debug)]
 pub struct ExpandRequest {
     pub volume: VolumeId,
@@ -234,9 +237,11 @@ impl Node {
     /// too, stuck behind that mutex: a resize sent while the link is down holds the volume's
     /// I/O, and every other volume's healing, until the timeout fails the waiting I/O. So the
     /// size changes only right after a read has proven the link live, under the link lock
-    /// (our own reconnects stay out of the gap) and while the kernel shows one of the
-    /// device's TCP connections established. A filesystem is kept frozen across it, so
-    /// nothing of its own is in flight.
+    /// (our own reconnects stay out of the gap), while the kernel shows one of the device's
+    /// TCP connections established, and at a moment with no request in flight. A filesystem
+    /// is kept frozen across it, so nothing of its own is in flight. What remains is a server
+    /// that dies in the instant between that moment and the freeze, under a request sent in
+    /// it: the kernel gives no way to close that.
     async fn resize_while_live(
         &self,
         record: &Record,
@@ -269,6 +274,7 @@ impl Node {
                 let _link = self.link_locks.lock(volume).await;
                 if self.some_connection_open(volume) {
                     let device = self.kernel.prove(index, device.identifier())?;
+                    self.wait_idle(index).await;
                     self.kernel.resize(&device, bytes).await?;
                     break;
                 }
@@ -286,6 +292,25 @@ impl Node {
             .wait_ready(index, bytes, Duration::from_secs(10))
             .await?;
         Ok(())
+    }
+
+    /// Waits, for at most [`IDLE_WITHIN`], for a moment with no request in flight on the
+    /// device: the kernel's freeze for the resize then has nothing to wait for, and a server
+    /// that dies during it cannot hold it up. A raw volume's pod writes between its requests;
+    /// a device busy throughout is resized anyway.
+    async fn wait_idle(&self, index: nbd::DeviceIndex) {
+        let until = std::time::Instant::now() + IDLE_WITHIN;
+        while std::time::Instant::now() < until {
+            match self.kernel.sysfs().in_flight(index) {
+                Ok(0) => return,
+                Ok(_) => tokio::time::sleep(Duration::from_millis(1)).await,
+                Err(e) => {
+                    tracing::debug!(device = %index, error = %e, "cannot read the requests in flight");
+                    return;
+                }
+            }
+        }
+        tracing::debug!(device = %index, "never idle before the resize");
     }
 
     /// Whether one of the device's TCP connections may still carry I/O: `false` only when the
