@@ -71,8 +71,10 @@ pub enum ExpandError {
     LinkDown { volume: String, detail: String },
 }
 
-/// How long a resize waits for the device to have no request in flight.
-const IDLE_WITHIN: Duration = Duration::from_secs(2);
+/// How long a resize waits for the device to have no request in flight, before the link is
+/// proven again; and how many such waits a device always busy gets.
+const IDLE_WITHIN: Duration = Duration::from_millis(200);
+const BUSY_TRIES: u32 = 10;
 
 #[derive(Debug)]
 pub struct ExpandRequest {
@@ -261,6 +263,7 @@ impl Node {
         fail::fail_point!("expand-before-resize");
         crate::failpoints::pause("expand-before-resize").await;
         let until = connections::deadline();
+        let mut busy = 0u32;
         loop {
             // The read waits for a heal if the link is down (the healer is not held up): its
             // answer is the proof, whenever it comes; the dead-connection timeout fails it.
@@ -274,9 +277,13 @@ impl Node {
                 let _link = self.link_locks.lock(volume).await;
                 if self.some_connection_open(volume) {
                     let device = self.kernel.prove(index, device.identifier())?;
-                    self.wait_idle(index).await;
-                    self.kernel.resize(&device, bytes).await?;
-                    break;
+                    // A device never idle (a pod that keeps its queue full) is resized after
+                    // BUSY_TRIES fresh proofs, with its I/O in flight on a live link.
+                    if busy >= BUSY_TRIES || self.wait_idle(volume, index).await {
+                        self.kernel.resize(&device, bytes).await?;
+                        break;
+                    }
+                    busy += 1;
                 }
             }
             if std::time::Instant::now() > until {
@@ -296,21 +303,22 @@ impl Node {
 
     /// Waits, for at most [`IDLE_WITHIN`], for a moment with no request in flight on the
     /// device: the kernel's freeze for the resize then has nothing to wait for, and a server
-    /// that dies during it cannot hold it up. A raw volume's pod writes between its requests;
-    /// a device busy throughout is resized anyway.
-    async fn wait_idle(&self, index: nbd::DeviceIndex) {
+    /// that dies during it cannot hold it up. `false` when none came, or when every TCP
+    /// connection closed meanwhile: the link must then be proven again before a resize.
+    async fn wait_idle(&self, volume: &str, index: nbd::DeviceIndex) -> bool {
         let until = std::time::Instant::now() + IDLE_WITHIN;
         while std::time::Instant::now() < until {
             match self.kernel.sysfs().in_flight(index) {
-                Ok(0) => return,
+                Ok(0) => return true,
+                Ok(_) if !self.some_connection_open(volume) => return false,
                 Ok(_) => tokio::time::sleep(Duration::from_millis(1)).await,
                 Err(e) => {
                     tracing::debug!(device = %index, error = %e, "cannot read the requests in flight");
-                    return;
+                    return true;
                 }
             }
         }
-        tracing::debug!(device = %index, "never idle before the resize");
+        false
     }
 
     /// Whether one of the device's TCP connections may still carry I/O: `false` only when the
