@@ -736,7 +736,7 @@ mod tests {
                 NodeExpand,
                 ExpandError::LinkDown {
                     volume: v(),
-                    detail: "1 of its TCP connections are closed".into(),
+                    detail: "every TCP connection closed again after each read, for 30s".into(),
                 }
                 .into(),
                 Code::Unavailable,
@@ -841,7 +841,8 @@ mod tests {
             (
                 ExpandError::LinkDown {
                     volume: v(),
-                    detail: "the daemon is reconnecting it".into(),
+                    detail: "the device could not be read: /dev/nbd1 could not be read at 0+4096"
+                        .into(),
                 }
                 .into(),
                 "retry once it has healed",
