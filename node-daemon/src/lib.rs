@@ -11,6 +11,7 @@
 //! - [`recovery`]: start-up reconciliation of journal, kernel and mounts.
 //! - [`healer`]: LINK_DEAD → redial → RECONFIGURE; [`fence`]: what a refused grant stops.
 //! - [`server`]: sockets, start-up order, shutdown.
+//! - [`status`], [`repair`], [`preflight`], [`support_bundle`]: the operators' commands.
 
 pub mod blockdev;
 pub mod config;
@@ -26,6 +27,7 @@ pub mod kernel;
 pub mod locks;
 pub mod metrics;
 pub mod node;
+pub mod preflight;
 pub mod record;
 pub mod recovery;
 pub mod repair;
@@ -34,5 +36,6 @@ pub mod server;
 pub mod service;
 pub mod state_lock;
 pub mod status;
+pub mod support_bundle;
 pub mod systemd;
 pub mod volumes;

@@ -1,5 +1,5 @@
 //! `ustor-csi-node`: `serve` runs the host service; `status` shows operators which /dev/nbdN
-//! is which volume.
+//! is which volume; `repair` cleans what status flags; `preflight` checks the host.
 
 use std::path::PathBuf;
 
@@ -78,6 +78,39 @@ enum Command {
         /// Carry the plan out (default: print it only).
         #[arg(long)]
         apply: bool,
+        /// Instead: disconnect this device (e.g. nbd7) that another tool attached, if nothing
+        /// mounts or holds it. Needs no stopped daemon: the daemon never uses such a device.
+        #[arg(long, value_name = "nbdN")]
+        release: Option<String>,
+    },
+    /// Check that this host can serve volumes: kernel modules, nbd devices, kubelet's
+    /// directory, SELinux/AppArmor, tools, the configuration and its TLS files. Exit code: 0
+    /// ready, 1 warnings only, 2 something blocks volumes.
+    Preflight {
+        #[command(flatten)]
+        common: Common,
+        /// Also dial this export (nbd:// or nbds:// URI) and complete the NBD handshake.
+        #[arg(long)]
+        export: Option<String>,
+        /// The [tls-profile.<name>] the export's TLS files come from (default: the top-level
+        /// tls-* settings).
+        #[arg(long, requires = "export")]
+        tls_profile: Option<String>,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write one .tar.gz for support: status, recovery results, preflight, the service's
+    /// journal, the configuration with secrets redacted, the kernel's nbd/TLS lines, metrics.
+    SupportBundle {
+        #[command(flatten)]
+        common: Common,
+        /// The CSI socket, to tell whether the daemon runs.
+        #[arg(long)]
+        csi_endpoint: Option<String>,
+        /// Where to write it (default: ustor-csi-node-support-<node>-<time>.tar.gz here).
+        #[arg(long, short)]
+        output: Option<PathBuf>,
     },
     /// Print the manual page (roff), as the packages install it.
     #[command(hide = true)]
@@ -97,14 +130,38 @@ fn settings(common: &Common) -> Result<Settings> {
     Ok(s)
 }
 
-/// `repair`: plan from `status`, print, and with `apply` act (daemon stopped only).
-fn repair(common: &Common, csi_endpoint: Option<String>, apply: bool) -> Result<()> {
+/// `repair`: plan from `status`, print, and with `apply` act (daemon stopped only, except for
+/// the release of another tool's device).
+fn repair(
+    common: &Common,
+    csi_endpoint: Option<String>,
+    apply: bool,
+    release: Option<String>,
+) -> Result<()> {
     let mut s = settings(common)?;
     if let Some(e) = csi_endpoint {
         s.csi_socket = config::unix_path(&e)?;
     }
     let sysfs = nbd::sysfs::Sysfs::default();
     let st = status::collect(&s.state_dir, &s.node_id, &s.csi_socket, &sysfs)?;
+    if let Some(name) = release {
+        let name = name.trim_start_matches("/dev/");
+        let action = node_daemon::repair::plan_release(&st, name)
+            .map_err(|why| anyhow::anyhow!("not releasing {name}: {why}"))?;
+        println!("{}{action}", if apply { "" } else { "would " });
+        if !apply {
+            println!("(dry run: --apply carries this out)");
+            return Ok(());
+        }
+        let done = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?
+            .block_on(node_daemon::repair::apply(&[action], &s.state_dir, &sysfs))?;
+        for line in done {
+            println!("{line}");
+        }
+        return Ok(());
+    }
     let plan = node_daemon::repair::plan(&st);
     if plan.is_empty() {
         println!("nothing to repair");
@@ -131,6 +188,42 @@ fn repair(common: &Common, csi_endpoint: Option<String>, apply: bool) -> Result<
         println!("{line}");
     }
     Ok(())
+}
+
+/// `preflight`: every check, then the export's if asked; exits with the worst finding.
+fn preflight(
+    common: &Common,
+    export: Option<String>,
+    tls_profile: Option<String>,
+    json: bool,
+) -> Result<()> {
+    use node_daemon::preflight::{self, Finding, Level, Report};
+    let report = match settings(common) {
+        Ok(s) => {
+            let mut report = preflight::run(&preflight::Host::real(), &s);
+            if let Some(uri) = export {
+                let finding = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()?
+                    .block_on(preflight::check_export(&s, &uri, tls_profile.as_deref()));
+                report.findings.push(finding);
+            }
+            report
+        }
+        Err(e) => Report {
+            findings: vec![Finding {
+                check: "configuration",
+                level: Level::Block,
+                detail: format!("{e:#}"),
+            }],
+        },
+    };
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.render());
+    }
+    std::process::exit(report.exit_code());
 }
 
 fn init_logging(json: bool) {
@@ -215,7 +308,37 @@ fn main() -> Result<()> {
             common,
             csi_endpoint,
             apply,
-        } => repair(&common, csi_endpoint, apply),
+            release,
+        } => repair(&common, csi_endpoint, apply, release),
+        Command::Preflight {
+            common,
+            export,
+            tls_profile,
+            json,
+        } => preflight(&common, export, tls_profile, json),
+        Command::SupportBundle {
+            common,
+            csi_endpoint,
+            output,
+        } => {
+            let mut s = settings(&common)?;
+            if let Some(e) = csi_endpoint {
+                s.csi_socket = config::unix_path(&e)?;
+            }
+            let host = node_daemon::preflight::Host::real();
+            let files =
+                node_daemon::support_bundle::collect(&node_daemon::support_bundle::Sources {
+                    settings: &s,
+                    config_file: &common.config,
+                    host: &host,
+                });
+            let out =
+                output.unwrap_or_else(|| node_daemon::support_bundle::default_name(&s.node_id));
+            node_daemon::support_bundle::write(&files, &out)
+                .map_err(|e| anyhow::anyhow!("writing {}: {e}", out.display()))?;
+            println!("{}", out.display());
+            Ok(())
+        }
         Command::Manpage => {
             use clap::CommandFactory;
             clap_mangen::Man::new(Cli::command())

@@ -12,7 +12,9 @@
 //!   from an nbd device.
 //!
 //! A device is disconnected only after it is proven again, at that moment, to carry the
-//! identifier the plan saw. A device that does not carry this node's identifier is never touched.
+//! identifier the plan saw, and found unused again. A device that does not carry this node's
+//! identifier is never touched by the plan; `--release nbdN` ([`plan_release`]) disconnects one
+//! on the operator's explicit request, under the same proofs.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -167,6 +169,90 @@ pub fn plan(status: &Status) -> Vec<Action> {
     actions
 }
 
+/// `repair --release nbdN`: the operator's explicit request to disconnect a device this node
+/// did not attach (another tool's, or another node id's). Refused, with the reason, for a device
+/// of this node's (the daemon and `repair` own those), one attached to nothing, one that carries
+/// no identifier (nothing could prove it is still the same attachment at the moment of the
+/// DISCONNECT: the tool that attached it must detach it), and one that is mounted or open.
+pub fn plan_release(status: &Status, name: &str) -> Result<Action, String> {
+    let d = status
+        .devices
+        .iter()
+        .find(|d| d.device == name)
+        .ok_or_else(|| format!("the kernel has no {name}"))?;
+    let device = d
+        .device
+        .parse::<DeviceIndex>()
+        .map_err(|e| format!("{name}: {e}"))?;
+    match (d.owner, &d.backend) {
+        (Owner::None, _) => return Err(format!("{name} is attached to nothing")),
+        (Owner::Ours, _) => {
+            return Err(format!(
+                "{name} is this node's (volume {}): kubelet unstages it, or `repair` cleans it when no record names it",
+                d.volume.as_deref().unwrap_or("unknown")
+            ))
+        }
+        (_, None) => {
+            return Err(format!(
+                "{name} carries no backend identifier (attached by nbd-client or qemu-nbd -c):                  detach it with that tool (nbd-client -d /dev/{name}, qemu-nbd -d /dev/{name})"
+            ))
+        }
+        (Owner::Foreign | Owner::OtherNode, Some(_)) => {}
+    }
+    let users: Vec<String> = d
+        .mounted_at
+        .iter()
+        .map(|m| format!("mounted at {m}"))
+        .chain(d.held_by.iter().map(|h| format!("open by {h}")))
+        .collect();
+    if !users.is_empty() {
+        return Err(format!("{name} is in use: {}", users.join(", ")));
+    }
+    let identifier = d.backend.clone().unwrap_or_default();
+    Ok(Action::Disconnect {
+        device,
+        why: format!(
+            "released on request: {} bytes, {}, nothing mounts it or holds it open",
+            d.size_bytes,
+            match d.owner {
+                Owner::OtherNode => "this driver's device for another node id",
+                _ => "attached by another tool",
+            }
+        ),
+        identifier,
+    })
+}
+
+/// Why `device` cannot be disconnected now, if anything uses it: a mount, an open file
+/// descriptor, or a device stacked on it (device mapper, md).
+fn in_use_now(sysfs: &Sysfs, device: DeviceIndex) -> Result<Option<String>, NodeError> {
+    let table = MountTable::read()?;
+    let mut users: Vec<String> = crate::node::device_numbers(&sysfs.dev_path(device))
+        .map(|(major, minor)| {
+            table
+                .of_device(major, minor)
+                .map(|m| format!("mounted at {}", m.mount_point.display()))
+                .collect()
+        })
+        .unwrap_or_default();
+    users.extend(
+        crate::status::open_devices()
+            .remove(&device.name())
+            .unwrap_or_default()
+            .into_iter()
+            .map(|h| format!("open by {h}")),
+    );
+    let holders = Path::new("/sys/block").join(device.name()).join("holders");
+    if let Ok(entries) = std::fs::read_dir(holders) {
+        users.extend(
+            entries
+                .flatten()
+                .map(|e| format!("held by {}", e.file_name().to_string_lossy())),
+        );
+    }
+    Ok((!users.is_empty()).then(|| users.join(", ")))
+}
+
 /// Carries out `actions` in order (unmounts before disconnects before forgetting), each step
 /// checked again at the moment it is taken. Returns one line per action done.
 pub async fn apply(
@@ -211,6 +297,12 @@ pub async fn apply(
                 })?;
                 // Proven again now: the plan may be old.
                 let proven = sysfs.prove(*device, &id)?;
+                if let Some(users) = in_use_now(sysfs, *device)? {
+                    done.push(format!(
+                        "left {device} alone: in use since the plan ({users})"
+                    ));
+                    continue;
+                }
                 let nl = match &netlink {
                     Some(nl) => nl,
                     None => netlink.insert(NbdNetlink::open().await?),
@@ -299,6 +391,39 @@ mod tests {
         assert!(matches!(&actions[1], Action::LeaveAlone { what, .. } if what == "nbd2"));
         assert!(matches!(&actions[2], Action::LeaveAlone { what, .. } if what == "nbd5"));
         assert_eq!(actions.len(), 3, "{actions:?}");
+    }
+
+    #[test]
+    fn only_an_unused_identified_device_of_another_tool_is_released() {
+        let mut theirs = device("nbd4", Owner::Foreign);
+        theirs.backend = Some("someone:1".into());
+        let mut mounted = device("nbd5", Owner::Foreign);
+        mounted.backend = Some("someone:2".into());
+        mounted.mounted_at = vec!["/mnt/theirs".into()];
+        let mut open = device("nbd6", Owner::OtherNode);
+        open.backend = Some("ustor:old:y:01".into());
+        open.held_by = vec!["77 (qemu)".into()];
+        let unidentified = device("nbd7", Owner::Foreign);
+        let mut ours = device("nbd1", Owner::Ours);
+        ours.backend = Some("ustor:n:v:01".into());
+        ours.volume = Some("v".into());
+        let idle = device("nbd9", Owner::None);
+        let st = status(
+            vec![theirs, mounted, open, unidentified, ours, idle],
+            vec![],
+        );
+
+        assert!(matches!(
+            plan_release(&st, "nbd4"),
+            Ok(Action::Disconnect { device, identifier, .. }) if device.0 == 4 && identifier == "someone:1"
+        ));
+        let refusal = |name: &str| plan_release(&st, name).unwrap_err();
+        assert!(refusal("nbd5").contains("mounted at /mnt/theirs"));
+        assert!(refusal("nbd6").contains("open by 77 (qemu)"));
+        assert!(refusal("nbd7").contains("nbd-client -d /dev/nbd7"));
+        assert!(refusal("nbd1").contains("this node's (volume v)"));
+        assert!(refusal("nbd9").contains("attached to nothing"));
+        assert!(refusal("nbd42").contains("no nbd42"));
     }
 
     #[test]

@@ -358,7 +358,8 @@ fn alive_connections(r: &Record) -> Option<usize> {
 }
 
 /// nbd device name → processes that have it open, from `/proc/*/fd`.
-fn open_devices() -> BTreeMap<String, Vec<String>> {
+/// Which processes hold each nbd device open, by device name (`nbd3` → `pid (command)`).
+pub(crate) fn open_devices() -> BTreeMap<String, Vec<String>> {
     let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
     let Ok(procs) = std::fs::read_dir("/proc") else {
         return out;

@@ -7,6 +7,7 @@
 
 use nbd::netlink::NbdNetlink;
 use nbd::BackendId;
+use testkit::tls::TestPki;
 
 mod common;
 use common::prelude::*;
@@ -390,5 +391,268 @@ async fn repair_and_the_daemon_never_act_at_once() {
         "the daemon holds the state directory: {taken:?}"
     );
     gone.down(&mut c).await;
+    assert_clean(&daemon);
+}
+
+/// `ustor-csi-node preflight` with the settings in `config` (TOML) and `args`: exit code and
+/// output.
+fn preflight_of(dir: &std::path::Path, config: &str, args: &[&str]) -> (i32, String) {
+    let file = dir.join("preflight.toml");
+    std::fs::write(&file, config).unwrap();
+    let out = std::process::Command::new(testkit::daemon::binary())
+        .arg("preflight")
+        .arg("--config")
+        .arg(&file)
+        .args(["--node-id", "preflight", "--state-dir"])
+        .arg(dir.join("state"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn preflight_says_what_blocks_volumes_and_reaches_exports() {
+    let dir = tempfile::tempdir().unwrap();
+    // kubelet's directory as a symlink, as some distributions lay it out.
+    std::fs::create_dir_all(dir.path().join("data/kubelet/plugins_registry")).unwrap();
+    std::os::unix::fs::symlink(dir.path().join("data/kubelet"), dir.path().join("kubelet"))
+        .unwrap();
+    let kubelet = dir.path().join("kubelet");
+    let base = format!(
+        "registration-dir = \"{k}/plugins_registry\"\ncsi-endpoint = \"unix://{k}/plugins/x/csi.sock\"\n",
+        k = kubelet.display()
+    );
+    let pki = TestPki::new("preflight CA").unwrap();
+    let with_tls = format!("{base}{}", pki.profile_config("main"));
+
+    // This guest can serve volumes: nothing blocks (warnings, such as missing XFS tools, may).
+    let (code, out) = preflight_of(dir.path(), &with_tls, &[]);
+    assert!(code == 0 || code == 1, "exit {code}: {out}");
+    assert!(!out.contains("BLOCK"), "{out}");
+    assert!(out.contains("nbd: loaded"), "{out}");
+    assert!(out.contains("nbds_max="), "{out}");
+    assert!(out.contains("(a symlink to"), "{out}");
+    assert!(out.contains("tls-profile.main: files valid"), "{out}");
+
+    // A reachable export says what it is, over TLS with the profile's files.
+    let plain = NbdServer::nbdkit(Listen::Tcp, &["memory", "64M"]).unwrap();
+    let (code, out) = preflight_of(dir.path(), &base, &["--export", &plain.uri().to_string()]);
+    assert!(code <= 1, "exit {code}: {out}");
+    assert!(out.contains("67108864 bytes, writable"), "{out}");
+    let tls_args = pki.nbdkit_args();
+    let mut args: Vec<&str> = tls_args.iter().map(String::as_str).collect();
+    args.extend(["memory", "32M"]);
+    let secure = NbdServer::nbdkit(Listen::Tcp, &args).unwrap();
+    let secure_uri = secure.uri().with_tls().to_string();
+    let (code, out) = preflight_of(
+        dir.path(),
+        &with_tls,
+        &["--export", &secure_uri, "--tls-profile", "main"],
+    );
+    assert!(code <= 1, "exit {code}: {out}");
+    assert!(
+        out.contains("33554432 bytes, writable, TLS TLSv1_3"),
+        "{out}"
+    );
+    // The same export without the client certificate is refused by the server: blocked.
+    let ca_only = format!(
+        "{base}tls-ca-file = \"{}\"\n",
+        pki.file("ca-cert.pem").display()
+    );
+    let (code, out) = preflight_of(dir.path(), &ca_only, &["--export", &secure_uri]);
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("BLOCK export"), "{out}");
+
+    // An export that is gone, a kubelet directory that is not there, a key that is not the
+    // certificate's, a configuration that does not parse: each blocks, and says so.
+    let gone = plain.uri().to_string();
+    drop(plain);
+    let (code, out) = preflight_of(dir.path(), &base, &["--export", &gone]);
+    assert_eq!(code, 2, "{out}");
+    assert!(
+        out.contains("BLOCK export") && out.contains("onnection refused"),
+        "{out}"
+    );
+    let elsewhere = base.replace(&kubelet.display().to_string(), "/nonexistent/kubelet");
+    let (code, out) = preflight_of(dir.path(), &elsewhere, &[]);
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("BLOCK kubelet"), "{out}");
+    let mismatched = with_tls.replace("client-key.pem", "server-key.pem");
+    let (code, out) = preflight_of(dir.path(), &mismatched, &[]);
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("do not go together"), "{out}");
+    let (code, out) = preflight_of(dir.path(), &format!("{base}no-such-key = 1\n"), &[]);
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("BLOCK configuration"), "{out}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn a_support_bundle_shows_the_volumes_and_the_daemons_metrics() {
+    let (daemon, mut c) = start_node("bundle").await;
+    let vol = Volume::new(&daemon, "bundled", 16 * MIB, block());
+    vol.up(&mut c).await;
+    let out = daemon.scratch().join("bundle.tar.gz");
+    let made = std::process::Command::new(testkit::daemon::binary())
+        .arg("support-bundle")
+        .arg("--config")
+        .arg(daemon.config_path())
+        .args(["--node-id", &daemon.node_id, "--state-dir"])
+        .arg(&daemon.state_dir)
+        .arg("--csi-endpoint")
+        .arg(format!("unix://{}", daemon.socket.display()))
+        .arg("--output")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(made.status.success(), "{made:?}");
+    let unpacked = daemon.scratch().join("unpacked");
+    std::fs::create_dir_all(&unpacked).unwrap();
+    let tar = std::process::Command::new("tar")
+        .arg("-xzf")
+        .arg(&out)
+        .arg("-C")
+        .arg(&unpacked)
+        .status()
+        .unwrap();
+    assert!(tar.success());
+    let part = |name: &str| std::fs::read_to_string(unpacked.join("bundle").join(name)).unwrap();
+    let st: serde_json::Value = serde_json::from_str(&part("status.json")).unwrap();
+    assert_eq!(st["daemon_running"], true);
+    assert!(
+        st["devices"].to_string().contains("bundled"),
+        "the staged volume is in status.json: {st}"
+    );
+    assert!(part("recovery.json").contains("records"));
+    assert!(part("preflight.txt").contains("nbd: loaded"));
+    assert!(part("nbd-parameters.txt").contains("nbds_max="));
+    assert!(
+        part("metrics.txt").contains("ustor_csi_node_"),
+        "the daemon's own metrics: {}",
+        part("metrics.txt")
+    );
+    assert!(part("kernel.txt").contains("nbd"), "{}", part("kernel.txt"));
+    vol.down(&mut c).await;
+    assert_clean(&daemon);
+}
+
+/// `ustor-csi-node repair --release <device> [--apply]` as `daemon`'s node: exit code and output.
+fn release_of(daemon: &NodeDaemon, device: &str, apply: bool) -> (i32, String) {
+    let mut cmd = std::process::Command::new(testkit::daemon::binary());
+    cmd.args(["repair", "--node-id", &daemon.node_id, "--state-dir"])
+        .arg(&daemon.state_dir)
+        .arg("--csi-endpoint")
+        .arg(format!("unix://{}", daemon.socket.display()))
+        .args(["--release", device]);
+    if apply {
+        cmd.arg("--apply");
+    }
+    let out = cmd.output().unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}
+
+/// Another tool's device goes only on the operator's explicit request, only while nothing uses
+/// it, and only if it carries an identifier that proves it at the moment of the DISCONNECT; the
+/// daemon's own devices are never released this way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn repair_releases_another_tools_idle_device_on_request_only() {
+    let (daemon, mut c) = start_node("release").await;
+    let ours = Volume::new(&daemon, "rel-ours", 16 * MIB, block());
+    ours.up(&mut c).await;
+    let sysfs = Sysfs::default();
+    let nl = NbdNetlink::open().await.unwrap();
+    let stranger = NbdServer::nbdkit(Listen::Unix, &["memory", "8M"]).unwrap();
+    let theirs = nbd::attach::attach(
+        &nl,
+        &sysfs,
+        &stranger.uri(),
+        &nbd::attach::AttachOptions::new(BackendId::new("someone-else:7").unwrap()),
+    )
+    .await
+    .unwrap();
+    let name = theirs.device.index().name();
+
+    // Open by a process: refused, and the device stays.
+    let holder = std::fs::File::open(sysfs.dev_path(theirs.device.index())).unwrap();
+    let (code, out) = release_of(&daemon, &name, true);
+    assert_ne!(code, 0, "{out}");
+    assert!(
+        out.contains("is in use") && out.contains("open by"),
+        "{out}"
+    );
+    drop(holder);
+    assert_eq!(
+        sysfs.backend(theirs.device.index()).unwrap().as_deref(),
+        Some("someone-else:7")
+    );
+
+    // A dry run says what it would do, and does nothing.
+    let (code, out) = release_of(&daemon, &format!("/dev/{name}"), false);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains(&format!("would disconnect {name} (someone-else:7)")),
+        "{out}"
+    );
+    assert!(sysfs.in_use(theirs.device.index()).unwrap());
+
+    // This node's device: refused, whatever the flags.
+    let our_device = ours.device(&daemon).unwrap().name();
+    let (code, out) = release_of(&daemon, &our_device, true);
+    assert_ne!(code, 0, "{out}");
+    assert!(out.contains("is this node's (volume rel-ours)"), "{out}");
+
+    // Applied: released, with the daemon running beside it and its volume untouched.
+    let (code, out) = release_of(&daemon, &name, true);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains(&format!("disconnected {name} (someone-else:7)")),
+        "{out}"
+    );
+    assert!(!sysfs.in_use(theirs.device.index()).unwrap());
+    assert_eq!(ours.device(&daemon).unwrap().name(), our_device);
+
+    // nbd-client's device carries no identifier: nothing could prove it, so it is refused.
+    let backing = daemon.scratch().join("client.img");
+    std::fs::File::create(&backing)
+        .unwrap()
+        .set_len(16 * MIB)
+        .unwrap();
+    let file = format!("file={}", backing.display());
+    let server = NbdServer::nbdkit(Listen::Tcp, &["file", &file]).unwrap();
+    let port: u16 = server
+        .uri()
+        .to_string()
+        .trim_start_matches("nbd://127.0.0.1:")
+        .split('/')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let client = testkit::nbd_client::free_device(&sysfs);
+    testkit::nbd_client::attach(&sysfs, client, "", port, &["-L"], 16 * MIB).await;
+    let (code, out) = release_of(&daemon, &client.name(), true);
+    assert_ne!(code, 0, "{out}");
+    assert!(out.contains("nbd-client -d"), "{out}");
+    assert!(sysfs.in_use(client).unwrap(), "refused, and still attached");
+    testkit::nbd_client::detach(&sysfs, client).await;
+
+    ours.down(&mut c).await;
     assert_clean(&daemon);
 }

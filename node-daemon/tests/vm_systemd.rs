@@ -263,7 +263,12 @@ fn drop_in(contents: Option<&str>) {
 #[ignore = "vm: needs the booted Debian root of tests/vm/run"]
 async fn systemd_1_the_package_installs_serves_restarts_and_is_watched() {
     // Installed: enabled, not started; the unit is clean to systemd's own checker.
-    ok("dpkg", &["-i", PACKAGE]);
+    let installed = ok("dpkg", &["-i", PACKAGE]);
+    // postinst ran the preflight, as warnings: it names the nbd module and what it found.
+    assert!(
+        installed.contains("ustor-csi-node preflight") && installed.contains("module         nbd:"),
+        "{installed}"
+    );
     assert_eq!(run("systemctl", &["is-enabled", UNIT]).1.trim(), "enabled");
     assert_eq!(state(), "inactive", "installing must not start the service");
     // The man page is checked by packaging/test (no man-db in this root).

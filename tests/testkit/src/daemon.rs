@@ -54,6 +54,11 @@ impl NodeDaemon {
         })
     }
 
+    /// The configuration file the daemon is started with.
+    pub fn config_path(&self) -> &Path {
+        &self.config
+    }
+
     /// A scratch directory that lives as long as the daemon (for staging and target paths).
     pub fn scratch(&self) -> &Path {
         self.dir.path()
