@@ -16,6 +16,7 @@ pub struct ControllerMetrics {
     pub calls: CallMetrics,
     pub backend: Arc<BackendMetrics>,
     pub gate: Arc<GateMetrics>,
+    pub foreign_ids: Arc<ForeignIdMetrics>,
 }
 
 impl Default for ControllerMetrics {
@@ -34,11 +35,19 @@ impl Default for ControllerMetrics {
             "NBD handshakes the local export server's gate refused for want of a live grant, by reason",
             gate.refusals.clone(),
         );
+        let foreign_ids = Arc::new(ForeignIdMetrics::default());
+        registry.register(
+            "foreign_id_deletes",
+            "Deletes of an id this driver did not issue, by call: answered OK with nothing deleted \
+             (an old product's volume, or a mistake), so the image it names may be leaked",
+            foreign_ids.deletes.clone(),
+        );
         Self {
             registry,
             calls,
             backend,
             gate,
+            foreign_ids,
         }
     }
 }
@@ -82,6 +91,23 @@ pub struct GateMetrics {
 impl GateMetrics {
     pub fn refused(&self, reason: &'static str) {
         self.refusals.get_or_create(&RefusalLabels { reason }).inc();
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OpLabels {
+    pub op: &'static str,
+}
+
+/// Deletes answered OK because the id is not one this driver issued.
+#[derive(Debug, Default)]
+pub struct ForeignIdMetrics {
+    deletes: Family<OpLabels, Counter>,
+}
+
+impl ForeignIdMetrics {
+    pub fn deleted(&self, op: &'static str) {
+        self.deletes.get_or_create(&OpLabels { op }).inc();
     }
 }
 

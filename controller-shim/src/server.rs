@@ -270,7 +270,8 @@ pub async fn serve(
             }
         })
     });
-    let provisioner = Provisioner::new(backend, cluster_id);
+    let provisioner = Provisioner::new(backend, cluster_id)
+        .counting_foreign_ids(Arc::clone(&metrics.foreign_ids));
     let provisioner = match cluster {
         Some(cluster) => provisioner.in_cluster(cluster),
         None => provisioner,

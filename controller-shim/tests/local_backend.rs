@@ -627,6 +627,15 @@ async fn bad_input_gets_the_spec_code() {
         ),
         "{metrics}"
     );
+    // The deletes of ids it never issued, answered OK, are counted for operators to see.
+    assert!(
+        metrics.contains(r#"ustor_csi_controller_foreign_id_deletes_total{op="DeleteVolume"} 1"#),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(r#"ustor_csi_controller_foreign_id_deletes_total{op="DeleteSnapshot"} 1"#),
+        "{metrics}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -40,6 +40,8 @@ pub struct Provisioner {
     /// What the cluster says, when running in Kubernetes; without it every node id is taken
     /// as given and no claim is checked.
     cluster: Option<Cluster>,
+    /// Deletes of ids this driver did not issue, counted for operators.
+    foreign_ids: Arc<crate::metrics::ForeignIdMetrics>,
 }
 
 /// What the Kubernetes glue knows that calls check against.
@@ -68,7 +70,14 @@ impl Provisioner {
             cluster_id,
             images: KeyedLocks::default(),
             cluster: None,
+            foreign_ids: Arc::default(),
         }
+    }
+
+    /// Counts deletes of foreign ids in `metrics` (the served ones).
+    pub fn counting_foreign_ids(mut self, metrics: Arc<crate::metrics::ForeignIdMetrics>) -> Self {
+        self.foreign_ids = metrics;
+        self
     }
 
     /// Checks ControllerPublishVolume's node id and the claims of ReadWriteMany block
@@ -163,17 +172,27 @@ fn wire_size(bytes: u64) -> i64 {
     i64::try_from(bytes).unwrap_or(i64::MAX)
 }
 
-/// For deletes: an id this driver did not issue names nothing, so for the spec it is already
-/// deleted (`None`); any other parse error stands.
-fn issued_by_us(
-    parsed: Result<Handle, IdError>,
-    op: &'static str,
-) -> Result<Option<Handle>, IdError> {
-    match parsed {
-        Err(e) if e.is_unknown_id() => {
-            tracing::info!(op, why = %e, "an id this driver did not issue: nothing to delete");
-            Ok(None)
+impl Provisioner {
+    /// For deletes: an id this driver did not issue names nothing, so for the spec it is
+    /// already deleted (`None`); any other parse error stands. It is logged as a warning and
+    /// counted: after a move from the old product, such an id is an image left behind.
+    fn issued_by_us(
+        &self,
+        parsed: Result<Handle, IdError>,
+        op: &'static str,
+    ) -> Result<Option<Handle>, IdError> {
+        match parsed {
+            Err(e) if e.is_unknown_id() => {
+                tracing::warn!(
+                    op,
+                    why = %e,
+                    "an id this driver did not issue: nothing deleted; if it names an image of the \
+                     old product, that image is still on the storage"
+                );
+                self.foreign_ids.deleted(op);
+                Ok(None)
+            }
+            other => other.map(Some),
         }
-        other => other.map(Some),
     }
 }

@@ -2,7 +2,7 @@
 
 use csi_proto::csi::*;
 
-use super::{issued_by_us, snapshot_lock, volume_lock, Provisioner};
+use super::{snapshot_lock, volume_lock, Provisioner};
 use crate::backend::SnapshotMeta;
 use crate::error::Error;
 use crate::ids::{image_for, Handle};
@@ -63,7 +63,8 @@ impl Provisioner {
         &self,
         r: DeleteSnapshotRequest,
     ) -> Result<DeleteSnapshotResponse, Error> {
-        let Some(h) = issued_by_us(self.snapshot_handle(&r.snapshot_id), "DeleteSnapshot")? else {
+        let Some(h) = self.issued_by_us(self.snapshot_handle(&r.snapshot_id), "DeleteSnapshot")?
+        else {
             return Ok(DeleteSnapshotResponse {});
         };
         let _locked = self.images.lock(&snapshot_lock(&h.image)).await;

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use csi_proto::csi::volume_content_source::Type as SourceType;
 use csi_proto::csi::*;
 
-use super::{issued_by_us, snapshot_lock, volume_lock, wire_size, Provisioner, SnapshotError};
+use super::{snapshot_lock, volume_lock, wire_size, Provisioner, SnapshotError};
 use crate::backend::{Source, VolumeMeta};
 use crate::error::Error;
 use crate::ids::{image_for, Handle};
@@ -118,7 +118,7 @@ impl Provisioner {
         &self,
         r: DeleteVolumeRequest,
     ) -> Result<DeleteVolumeResponse, Error> {
-        let Some(h) = issued_by_us(self.volume_handle(&r.volume_id), "DeleteVolume")? else {
+        let Some(h) = self.issued_by_us(self.volume_handle(&r.volume_id), "DeleteVolume")? else {
             return Ok(DeleteVolumeResponse {});
         };
         let _locked = self.images.lock(&volume_lock(&h.image)).await;
