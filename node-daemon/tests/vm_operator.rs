@@ -607,7 +607,7 @@ async fn repair_releases_another_tools_idle_device_on_request_only() {
     let (code, out) = release_of(&daemon, &format!("/dev/{name}"), false);
     assert_eq!(code, 0, "{out}");
     assert!(
-        out.contains(&format!("would disconnect {name} (someone-else:7)")),
+        out.contains(&format!("would disconnect /dev/{name} (someone-else:7)")),
         "{out}"
     );
     assert!(sysfs.in_use(theirs.device.index()).unwrap());
@@ -622,7 +622,7 @@ async fn repair_releases_another_tools_idle_device_on_request_only() {
     let (code, out) = release_of(&daemon, &name, true);
     assert_eq!(code, 0, "{out}");
     assert!(
-        out.contains(&format!("disconnected {name} (someone-else:7)")),
+        out.contains(&format!("disconnected /dev/{name} (someone-else:7)")),
         "{out}"
     );
     assert!(!sysfs.in_use(theirs.device.index()).unwrap());
