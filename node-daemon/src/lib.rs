@@ -16,6 +16,7 @@
 pub mod blockdev;
 pub mod config;
 pub mod connections;
+pub mod device_budget;
 pub mod error;
 pub mod failpoints;
 pub mod fence;

@@ -15,7 +15,7 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use serde::Serialize;
 
 use crate::config::Settings;
-use crate::ids::Identifier;
+use crate::device_budget::DeviceBudget;
 
 /// A certificate that expires sooner than this is a warning: rotation should be under way.
 pub const EXPIRY_WARNING: Duration = Duration::from_secs(14 * 24 * 3600);
@@ -203,44 +203,27 @@ fn modules(host: &Host, settings: &Settings) -> Vec<Finding> {
         .collect()
 }
 
-/// How many more volumes the nbd driver can take. Kernels >= 6.5 create no device past
-/// `nbds_max` through netlink, older ones create them on demand; both use the free ones first.
+/// How many more volumes the nbd driver can take ([`DeviceBudget`]).
 fn devices(host: &Host, settings: &Settings) -> Finding {
-    let param = host.sys_module.join("nbd/parameters/nbds_max");
-    let Ok(raw) = std::fs::read_to_string(&param) else {
+    let Some(budget) = DeviceBudget::read(&host.sys_module, &host.sysfs) else {
         return Finding::new(
             "nbd devices",
             Level::Ok,
             "nbd not loaded yet: nbds_max is read from the packaged modprobe.d options at load",
         );
     };
-    let Ok(nbds_max) = raw.trim().parse::<u64>() else {
-        return Finding::new(
-            "nbd devices",
-            Level::Warn,
-            format!("{} reads {raw:?}", param.display()),
-        );
-    };
-    let mut ours = 0u64;
-    let mut others = 0u64;
-    for index in host.sysfs.devices().unwrap_or_default() {
-        match host.sysfs.backend(index).ok().flatten() {
-            Some(b) if Identifier::parse(&b).is_some() => ours += 1,
-            Some(_) => others += 1,
-            // nbd-client and qemu-nbd -c carry no identifier; a size says the device is taken.
-            None if host.sysfs.in_use(index).unwrap_or(false) => others += 1,
-            None => {}
-        }
-    }
-    let free = nbds_max.saturating_sub(ours + others);
     let detail = format!(
-        "nbds_max={nbds_max}: {ours} attached by this driver, {others} by other tools, {free} free"
+        "nbds_max={}: {} attached by this driver, {} by other tools, {} free",
+        budget.nbds_max,
+        budget.ours,
+        budget.others,
+        budget.free()
     );
     let wanted = settings
         .max_volumes
         .and_then(|m| u64::try_from(m).ok())
         .unwrap_or(FEW_DEVICES);
-    if nbds_max.saturating_sub(others) < wanted {
+    if budget.for_this_driver() < wanted {
         Finding::new(
             "nbd devices",
             Level::Warn,
@@ -591,6 +574,7 @@ pub async fn check_export(
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use crate::ids::Identifier;
     use testkit::tls::TestPki;
 
     const DAY: Duration = Duration::from_secs(86_400);

@@ -284,6 +284,19 @@ async fn devices_other_tools_attached_are_left_alone() {
     sysfs.set_scheduler(foreign, "kyber").unwrap();
 
     let (daemon, mut c) = start_node("foreign").await;
+    // The scheduler is told the devices left to this driver: nbds_max less the one taken.
+    let nbds_max: i64 = std::fs::read_to_string("/sys/module/nbd/parameters/nbds_max")
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let info = c
+        .node
+        .node_get_info(csi_proto::csi::NodeGetInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(info.max_volumes_per_node, nbds_max - 1);
     // Start-up presets idle devices; the sweep repeats it every 10 s.
     tokio::time::sleep(Duration::from_secs(12)).await;
     assert_eq!(

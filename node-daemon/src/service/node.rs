@@ -368,7 +368,13 @@ impl NodeApi for NodeService {
             .node
             .settings
             .max_volumes
-            .unwrap_or_else(nbd_device_limit);
+            .unwrap_or_else(|| {
+                crate::device_budget::DeviceBudget::read(
+                    std::path::Path::new("/sys/module"),
+                    &nbd::sysfs::Sysfs::default(),
+                )
+                .map_or(0, |b| i64::try_from(b.for_this_driver()).unwrap_or(i64::MAX))
+            });
         Ok(Response::new(NodeGetInfoResponse {
             node_id: self.node.settings.node_id.clone(),
             max_volumes_per_node: max,
@@ -379,10 +385,3 @@ impl NodeApi for NodeService {
     }
 }
 
-/// How many devices the nbd module was loaded with (`nbds_max`); 0 (no limit) if unknown.
-fn nbd_device_limit() -> i64 {
-    std::fs::read_to_string("/sys/module/nbd/parameters/nbds_max")
-        .ok()
-        .and_then(|s| s.trim().parse().ok())
-        .unwrap_or(0)
-}
