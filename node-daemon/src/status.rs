@@ -46,7 +46,8 @@ pub enum Owner {
     Ours,
     /// Carries this driver's identifier for another node id (a renamed host, a moved disk).
     OtherNode,
-    /// Attached by something else (nbd-client, another tool).
+    /// Attached by something else: another tool's identifier, or connected with none
+    /// (nbd-client, `qemu-nbd -c`).
     Foreign,
     /// Not attached.
     None,
@@ -169,6 +170,8 @@ fn device_row(
 ) -> DeviceRow {
     let parsed = backend.as_deref().and_then(Identifier::parse);
     let owner = match (&backend, &parsed) {
+        // nbd-client and qemu-nbd -c set no identifier: connected all the same, and not ours.
+        (None, _) if sysfs.in_use(index).unwrap_or(false) => Owner::Foreign,
         (None, _) => Owner::None,
         (Some(_), Some(id)) if id.node == node_id => Owner::Ours,
         (Some(_), Some(_)) => Owner::OtherNode,
@@ -444,6 +447,12 @@ pub fn render(status: &Status) -> String {
             if let Some(v) = value {
                 let _ = writeln!(out, "        {what}: {v}");
             }
+        }
+        if d.owner == Owner::Foreign && d.backend.is_none() {
+            let _ = writeln!(
+                out,
+                "        backend: none (attached by nbd-client, qemu-nbd -c or another ioctl user)"
+            );
         }
         for t in &d.targets {
             let _ = writeln!(out, "        target: {t}");

@@ -647,6 +647,13 @@ async fn repair_releases_another_tools_idle_device_on_request_only() {
         .unwrap();
     let client = testkit::nbd_client::free_device(&sysfs);
     testkit::nbd_client::attach(&sysfs, client, "", port, &["-L"], 16 * MIB).await;
+    let (_, st) = status_of(&daemon);
+    let row = device_row_where(&st, "device", &client.name());
+    assert_eq!(
+        row["owner"], "foreign",
+        "connected without an identifier: {row}"
+    );
+    assert_eq!(row["size_bytes"], 16 * MIB, "{row}");
     let (code, out) = release_of(&daemon, &client.name(), true);
     assert_ne!(code, 0, "{out}");
     assert!(out.contains("nbd-client -d"), "{out}");
