@@ -636,11 +636,7 @@ mod tests {
     #[test]
     fn a_host_with_everything_is_ready() {
         let root = tempfile::tempdir().unwrap();
-        let h = host(
-            root.path(),
-            &["nbd", "tls", "inet_diag", "tcp_diag"],
-            ALL_TOOLS,
-        );
+        let h = ready_host(root.path());
         let report = run(&h, &settings(root.path()));
         assert_eq!(report.exit_code(), 0, "{}", report.render());
         assert!(report.render().ends_with("ready\n"));
@@ -731,11 +727,7 @@ mod tests {
     #[test]
     fn kubelets_directory_may_be_a_symlink_but_must_exist() {
         let root = tempfile::tempdir().unwrap();
-        let h = host(
-            root.path(),
-            &["nbd", "tls", "inet_diag", "tcp_diag"],
-            ALL_TOOLS,
-        );
+        let h = ready_host(root.path());
         let mut s = settings(root.path());
         let real = root.path().join("data/kubelet");
         std::fs::create_dir_all(&real).unwrap();
@@ -787,11 +779,7 @@ mod tests {
     #[test]
     fn selinux_enforcing_warns_unless_the_binary_runs_unconfined() {
         let root = tempfile::tempdir().unwrap();
-        let h = host(
-            root.path(),
-            &["nbd", "tls", "inet_diag", "tcp_diag"],
-            ALL_TOOLS,
-        );
+        let h = ready_host(root.path());
         std::fs::create_dir_all(root.path().join("selinux")).unwrap();
         std::fs::write(root.path().join("selinux/enforce"), "0").unwrap();
         let report = run(&h, &settings(root.path()));
@@ -813,7 +801,8 @@ mod tests {
         assert!(found[0].1.contains("ustor-csi-node (enforce)"));
     }
 
-    fn tls_host(root: &Path) -> Host {
+    /// A host with every module and tool.
+    fn ready_host(root: &Path) -> Host {
         host(root, &["nbd", "tls", "inet_diag", "tcp_diag"], ALL_TOOLS)
     }
 
@@ -834,7 +823,7 @@ mod tests {
             client_key: Some(pki.file(key)),
             server_name: None,
         };
-        let h = tls_host(root.path());
+        let h = ready_host(root.path());
         let report = run(
             &h,
             &with_profile(root.path(), files("client-cert.pem", "client-key.pem")),
@@ -887,7 +876,7 @@ mod tests {
         );
         let until = SystemTime::UNIX_EPOCH + Duration::from_secs(1_798_761_600); // 2027-01-01
         let at = |now: SystemTime| {
-            let mut h = tls_host(root.path());
+            let mut h = ready_host(root.path());
             h.now = now;
             run(&h, &s)
                 .findings

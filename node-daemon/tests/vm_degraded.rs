@@ -266,14 +266,7 @@ async fn devices_other_tools_attached_are_left_alone() {
     backing.as_file().set_len(32 * MIB).unwrap();
     let path = format!("file={}", backing.path().display());
     let server = NbdServer::nbdkit(Listen::Tcp, &["file", &path]).unwrap();
-    let port = server.uri().to_string();
-    let port: u16 = port
-        .trim_start_matches("nbd://127.0.0.1:")
-        .split('/')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let port = server.tcp_port().unwrap();
     let foreign = testkit::nbd_client::free_device(&sysfs);
     testkit::nbd_client::attach(&sysfs, foreign, "", port, &["-L"], 32 * MIB).await;
     assert_eq!(

@@ -236,11 +236,17 @@ async fn status_names_every_disagreement_and_exits_accordingly() {
 
 /// `ustor-csi-node repair [--apply]` of `daemon`'s state: exit code and output.
 fn repair_of(daemon: &NodeDaemon, apply: bool) -> (i32, String) {
+    repair_with(daemon, &[], apply)
+}
+
+/// `ustor-csi-node repair <args> [--apply]` as `daemon`'s node.
+fn repair_with(daemon: &NodeDaemon, args: &[&str], apply: bool) -> (i32, String) {
     let mut cmd = std::process::Command::new(testkit::daemon::binary());
     cmd.args(["repair", "--node-id", &daemon.node_id, "--state-dir"])
         .arg(&daemon.state_dir)
         .arg("--csi-endpoint")
-        .arg(format!("unix://{}", daemon.socket.display()));
+        .arg(format!("unix://{}", daemon.socket.display()))
+        .args(args);
     if apply {
         cmd.arg("--apply");
     }
@@ -547,24 +553,7 @@ async fn a_support_bundle_shows_the_volumes_and_the_daemons_metrics() {
 
 /// `ustor-csi-node repair --release <device> [--apply]` as `daemon`'s node: exit code and output.
 fn release_of(daemon: &NodeDaemon, device: &str, apply: bool) -> (i32, String) {
-    let mut cmd = std::process::Command::new(testkit::daemon::binary());
-    cmd.args(["repair", "--node-id", &daemon.node_id, "--state-dir"])
-        .arg(&daemon.state_dir)
-        .arg("--csi-endpoint")
-        .arg(format!("unix://{}", daemon.socket.display()))
-        .args(["--release", device]);
-    if apply {
-        cmd.arg("--apply");
-    }
-    let out = cmd.output().unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ),
-    )
+    repair_with(daemon, &["--release", device], apply)
 }
 
 /// Another tool's device goes only on the operator's explicit request, only while nothing uses
@@ -636,15 +625,7 @@ async fn repair_releases_another_tools_idle_device_on_request_only() {
         .unwrap();
     let file = format!("file={}", backing.display());
     let server = NbdServer::nbdkit(Listen::Tcp, &["file", &file]).unwrap();
-    let port: u16 = server
-        .uri()
-        .to_string()
-        .trim_start_matches("nbd://127.0.0.1:")
-        .split('/')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let port = server.tcp_port().unwrap();
     let client = testkit::nbd_client::free_device(&sysfs);
     testkit::nbd_client::attach(&sysfs, client, "", port, &["-L"], 16 * MIB).await;
     let (_, st) = status_of(&daemon);

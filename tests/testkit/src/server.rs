@@ -99,6 +99,14 @@ impl NbdServer {
         }
     }
 
+    /// The TCP port it listens on (`None` for a unix socket), for clients given host and port.
+    pub fn tcp_port(&self) -> Option<u16> {
+        match &self.address {
+            Address::Tcp(port) => Some(*port),
+            Address::Unix(_) => None,
+        }
+    }
+
     pub fn is_running(&mut self) -> bool {
         matches!(self.child.as_mut().map(|c| c.try_wait()), Some(Ok(None)))
     }
