@@ -364,17 +364,15 @@ impl NodeApi for NodeService {
         &self,
         _: Request<NodeGetInfoRequest>,
     ) -> Result<Response<NodeGetInfoResponse>, Status> {
-        let max = self
-            .node
-            .settings
-            .max_volumes
-            .unwrap_or_else(|| {
-                crate::device_budget::DeviceBudget::read(
-                    std::path::Path::new("/sys/module"),
-                    &nbd::sysfs::Sysfs::default(),
-                )
-                .map_or(0, |b| i64::try_from(b.for_this_driver()).unwrap_or(i64::MAX))
-            });
+        let max = self.node.settings.max_volumes.unwrap_or_else(|| {
+            crate::device_budget::DeviceBudget::read(
+                std::path::Path::new("/sys/module"),
+                &nbd::sysfs::Sysfs::default(),
+            )
+            .map_or(0, |b| {
+                i64::try_from(b.for_this_driver()).unwrap_or(i64::MAX)
+            })
+        });
         Ok(Response::new(NodeGetInfoResponse {
             node_id: self.node.settings.node_id.clone(),
             max_volumes_per_node: max,
@@ -384,4 +382,3 @@ impl NodeApi for NodeService {
         }))
     }
 }
-
