@@ -282,11 +282,18 @@ fn kubelet_dir(settings: &Settings) -> Finding {
     }
 }
 
+/// Written to only when it exists: a check (and the support bundle, which runs the checks)
+/// creates nothing; the daemon makes the directory at its first start.
 fn state_dir(dir: &Path) -> Finding {
+    if !dir.exists() {
+        return Finding::new(
+            "state dir",
+            Level::Ok,
+            format!("{} not there yet: the daemon creates it", dir.display()),
+        );
+    }
     let probe = dir.join(".preflight");
-    let result = std::fs::create_dir_all(dir)
-        .and_then(|()| std::fs::write(&probe, b"ok"))
-        .and_then(|()| std::fs::remove_file(&probe));
+    let result = std::fs::write(&probe, b"ok").and_then(|()| std::fs::remove_file(&probe));
     match result {
         Ok(()) => Finding::new(
             "state dir",
@@ -742,6 +749,19 @@ mod tests {
         let report = run(&h, &s);
         assert_eq!(levels(&report, "kubelet")[0].0, Level::Block);
         assert_eq!(report.exit_code(), 2);
+    }
+
+    #[test]
+    fn the_state_dir_is_probed_only_where_it_exists() {
+        let root = tempfile::tempdir().unwrap();
+        let h = ready_host(root.path());
+        let s = settings(root.path());
+        let report = run(&h, &s);
+        assert_eq!(levels(&report, "state dir")[0].0, Level::Ok);
+        assert!(!s.state_dir.exists(), "a check created the state directory");
+        std::fs::write(&s.state_dir, "a file, not a directory").unwrap();
+        let report = run(&h, &s);
+        assert_eq!(levels(&report, "state dir")[0].0, Level::Block);
     }
 
     #[test]
