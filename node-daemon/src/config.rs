@@ -230,6 +230,20 @@ impl Settings {
     }
 }
 
+impl Settings {
+    /// The TLS files a volume dials with: its profile's, or the top-level ones. `Err` is the
+    /// name of a profile this node does not define.
+    pub fn tls_for<'a>(
+        &self,
+        profile: Option<&'a str>,
+    ) -> Result<Option<std::sync::Arc<nbd::tls::TlsFiles>>, &'a str> {
+        match profile {
+            None => Ok(self.tls.clone()),
+            Some(name) => self.tls_profiles.get(name).cloned().map(Some).ok_or(name),
+        }
+    }
+}
+
 /// A client certificate comes with its key: one without the other is a configuration mistake
 /// found at start, not at the first dial. `profile` names the `[tls-profile.<name>]` table the
 /// files come from (`None`: the top-level `tls-*` keys).

@@ -408,16 +408,13 @@ impl Node {
     /// every dial (stage, expansion, healing), naming the table to add: dialing without it
     /// would only say that TLS files are missing.
     pub(crate) fn dial_options(&self, export: &Export) -> Result<DialOptions, NodeError> {
-        let tls =
-            match &export.tls_profile {
-                None => self.settings.tls.clone(),
-                Some(name) => Some(self.settings.tls_profiles.get(name).cloned().ok_or_else(
-                    || NodeError::UnknownTlsProfile {
-                        uri: export.uri.clone(),
-                        profile: name.clone(),
-                    },
-                )?),
-            };
+        let tls = self
+            .settings
+            .tls_for(export.tls_profile.as_deref())
+            .map_err(|name| NodeError::UnknownTlsProfile {
+                uri: export.uri.clone(),
+                profile: name.to_owned(),
+            })?;
         Ok(DialOptions {
             deadline: self.settings.dial_timeout,
             connections: export.connections,

@@ -171,6 +171,8 @@ fn module_state(host: &Host, name: &str) -> Result<&'static str, String> {
 
 fn modules(host: &Host, settings: &Settings) -> Vec<Finding> {
     let tls_configured = settings.tls.is_some() || !settings.tls_profiles.is_empty();
+    const NO_DIAG: &str =
+        "the daemon cannot tell which connections are alive, nor cut them for an expansion";
     // (module, level when missing, what is lost without it)
     let wanted = [
         ("nbd", Level::Block, "no volume can attach"),
@@ -183,16 +185,8 @@ fn modules(host: &Host, settings: &Settings) -> Vec<Finding> {
             },
             "nbds:// (TLS) exports cannot attach",
         ),
-        (
-            "inet_diag",
-            Level::Warn,
-            "the daemon cannot tell which connections are alive, nor cut them for an expansion",
-        ),
-        (
-            "tcp_diag",
-            Level::Warn,
-            "the daemon cannot tell which connections are alive, nor cut them for an expansion",
-        ),
+        ("inet_diag", Level::Warn, NO_DIAG),
+        ("tcp_diag", Level::Warn, NO_DIAG),
     ];
     wanted
         .into_iter()
@@ -540,18 +534,15 @@ pub async fn check_export(
         Ok(u) => u,
         Err(e) => return Finding::new("export", Level::Block, format!("{raw_uri}: {e}")),
     };
-    let tls = match tls_profile {
-        None => settings.tls.clone(),
-        Some(name) => match settings.tls_profiles.get(name) {
-            Some(t) => Some(t.clone()),
-            None => {
-                return Finding::new(
-                    "export",
-                    Level::Block,
-                    format!("no [tls-profile.{name}] in the configuration"),
-                )
-            }
-        },
+    let tls = match settings.tls_for(tls_profile) {
+        Ok(tls) => tls,
+        Err(name) => {
+            return Finding::new(
+                "export",
+                Level::Block,
+                format!("no [tls-profile.{name}] in the configuration"),
+            )
+        }
     };
     let opts = nbd::dial::DialOptions {
         deadline: settings.dial_timeout,
@@ -787,10 +778,9 @@ mod tests {
             .all(|(l, d)| *l == Level::Warn && d.contains("xfsprogs")));
         assert_eq!(report.exit_code(), 1);
 
-        let h = host(root.path(), &[], &[]);
-        let mut h2 = h.clone();
-        h2.path = vec![root.path().join("empty")];
-        let report = run(&h2, &settings(root.path()));
+        let mut h = host(root.path(), &[], &[]);
+        h.path = vec![root.path().join("empty")];
+        let report = run(&h, &settings(root.path()));
         assert!(levels(&report, "tools")
             .iter()
             .any(|(l, d)| *l == Level::Block && d.starts_with("mkfs.ext4")));

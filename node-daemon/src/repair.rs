@@ -223,18 +223,15 @@ pub fn plan_release(status: &Status, name: &str) -> Result<Action, String> {
     })
 }
 
-/// Why `device` cannot be disconnected now, if anything uses it: a mount, an open file
-/// descriptor, or a device stacked on it (device mapper, md).
+/// Why `device` cannot be disconnected now, if anything uses it: a mount (as `status` finds
+/// them, bind mounts of the device node included), an open file descriptor, or a device
+/// stacked on it (device mapper, md).
 fn in_use_now(sysfs: &Sysfs, device: DeviceIndex) -> Result<Option<String>, NodeError> {
     let table = MountTable::read()?;
-    let mut users: Vec<String> = crate::node::device_numbers(&sysfs.dev_path(device))
-        .map(|(major, minor)| {
-            table
-                .of_device(major, minor)
-                .map(|m| format!("mounted at {}", m.mount_point.display()))
-                .collect()
-        })
-        .unwrap_or_default();
+    let mut users: Vec<String> = crate::status::mounts_of(&table, sysfs, device)
+        .into_iter()
+        .map(|m| format!("mounted at {m}"))
+        .collect();
     users.extend(
         crate::status::open_devices()
             .remove(&device.name())

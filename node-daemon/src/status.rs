@@ -177,20 +177,7 @@ fn device_row(
         (Some(_), Some(_)) => Owner::OtherNode,
         (Some(_), None) => Owner::Foreign,
     };
-    let dev = sysfs.dev_path(index);
-    let mut mounted_at: Vec<String> = device_numbers(&dev)
-        .map(|(major, minor)| {
-            table
-                .of_device(major, minor)
-                .map(|m| m.mount_point.display().to_string())
-                .collect()
-        })
-        .unwrap_or_default();
-    mounted_at.extend(
-        table
-            .of_device_node(&index.name())
-            .map(|m| m.mount_point.display().to_string()),
-    );
+    let mounted_at = mounts_of(table, sysfs, index);
     let scheduler = sysfs.scheduler(index).ok();
     let mut problems = Vec::new();
     let (connections_alive, connections_total) = record
@@ -361,6 +348,25 @@ fn alive_connections(r: &Record) -> Option<usize> {
 }
 
 /// nbd device name → processes that have it open, from `/proc/*/fd`.
+/// Where `index` is mounted: filesystems on the device, and bind mounts of its device node
+/// (raw block targets).
+pub(crate) fn mounts_of(table: &MountTable, sysfs: &Sysfs, index: DeviceIndex) -> Vec<String> {
+    let mut mounted_at: Vec<String> = device_numbers(&sysfs.dev_path(index))
+        .map(|(major, minor)| {
+            table
+                .of_device(major, minor)
+                .map(|m| m.mount_point.display().to_string())
+                .collect()
+        })
+        .unwrap_or_default();
+    mounted_at.extend(
+        table
+            .of_device_node(&index.name())
+            .map(|m| m.mount_point.display().to_string()),
+    );
+    mounted_at
+}
+
 /// Which processes hold each nbd device open, by device name (`nbd3` → `pid (command)`).
 pub(crate) fn open_devices() -> BTreeMap<String, Vec<String>> {
     let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();

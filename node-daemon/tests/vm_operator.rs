@@ -250,7 +250,11 @@ fn repair_with(daemon: &NodeDaemon, args: &[&str], apply: bool) -> (i32, String)
     if apply {
         cmd.arg("--apply");
     }
-    let out = cmd.output().unwrap();
+    exit_and_output(cmd.output().unwrap())
+}
+
+/// A command's exit code and its stdout then stderr, as an operator sees them.
+fn exit_and_output(out: std::process::Output) -> (i32, String) {
     (
         out.status.code().unwrap_or(-1),
         format!(
@@ -414,14 +418,7 @@ fn preflight_of(dir: &std::path::Path, config: &str, args: &[&str]) -> (i32, Str
         .args(args)
         .output()
         .unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ),
-    )
+    exit_and_output(out)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
