@@ -14,6 +14,9 @@ pub const DEFAULT_SIZE: u64 = 1 << 30;
 /// `connection` names the MindUstorStorageConnection (StorageClasses the glue makes carry it).
 pub const PARAMETERS: &[&str] = &["pool", "nbdConnections", "connection"];
 
+/// Parameters a VolumeAttributesClass may set, which ControllerModifyVolume changes later.
+pub const MUTABLE_PARAMETERS: &[&str] = &["nbdConnections"];
+
 /// Why a request is refused as it stands.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RequestError {
@@ -41,6 +44,11 @@ pub enum RequestError {
     UnknownParameter { name: String },
     #[error("nbdConnections {value:?} must be a number from 1 to 16")]
     BadConnectionCount { value: String },
+    #[error(
+        "mutable parameter {name:?} is not supported (a VolumeAttributesClass may set: {})",
+        MUTABLE_PARAMETERS.join(", ")
+    )]
+    UnknownMutableParameter { name: String },
     #[error("snapshot parameters are not supported (got {keys:?})")]
     SnapshotParameters { keys: Vec<String> },
     /// The driver's capability rules (shared with the node) refuse it; their words.
@@ -119,9 +127,33 @@ pub fn parameters(raw: &HashMap<String, String>) -> Result<BTreeMap<String, Stri
         if !PARAMETERS.contains(&k.as_str()) {
             return Err(RequestError::UnknownParameter { name: k.clone() });
         }
-        if k == "nbdConnections" && !v.parse::<u8>().is_ok_and(|n| (1..=16).contains(&n)) {
-            return Err(RequestError::BadConnectionCount { value: v.clone() });
+        check_value(k, v)?;
+        out.insert(k.clone(), v.clone());
+    }
+    Ok(out)
+}
+
+/// A value of a parameter that has rules of its own.
+fn check_value(key: &str, value: &str) -> Result<(), RequestError> {
+    if key == "nbdConnections" && !value.parse::<u8>().is_ok_and(|n| (1..=16).contains(&n)) {
+        return Err(RequestError::BadConnectionCount {
+            value: value.to_owned(),
+        });
+    }
+    Ok(())
+}
+
+/// The mutable parameters (a VolumeAttributesClass's), checked: only the ones the driver can
+/// change on a live volume.
+pub fn mutable_parameters(
+    raw: &HashMap<String, String>,
+) -> Result<BTreeMap<String, String>, RequestError> {
+    let mut out = BTreeMap::new();
+    for (k, v) in raw {
+        if !MUTABLE_PARAMETERS.contains(&k.as_str()) {
+            return Err(RequestError::UnknownMutableParameter { name: k.clone() });
         }
+        check_value(k, v)?;
         out.insert(k.clone(), v.clone());
     }
     Ok(out)
@@ -184,6 +216,19 @@ pub fn page(max_entries: i32, starting_token: &str, total: usize) -> Result<Page
     };
     let take = if max == 0 { usize::MAX } else { max };
     Ok(Page { start, take })
+}
+
+impl Page {
+    /// The token of the page after this one, which answered `answered` of `total` entries
+    /// (empty after the last page).
+    pub fn next_token(&self, answered: usize, total: usize) -> String {
+        let next = self.start + answered;
+        if next < total {
+            next.to_string()
+        } else {
+            String::new()
+        }
+    }
 }
 
 #[cfg(test)]
@@ -258,6 +303,21 @@ mod tests {
         assert_eq!(
             parameters(&raw(&[("nbdConnections", "17")])),
             Err(RequestError::BadConnectionCount { value: "17".into() })
+        );
+        assert_eq!(
+            mutable_parameters(&raw(&[("nbdConnections", "4")])).map(|m| m.len()),
+            Ok(1)
+        );
+        assert_eq!(
+            mutable_parameters(&raw(&[("pool", "data")])),
+            Err(RequestError::UnknownMutableParameter {
+                name: "pool".into()
+            }),
+            "the pool of a live volume cannot change"
+        );
+        assert_eq!(
+            mutable_parameters(&raw(&[("nbdConnections", "0")])),
+            Err(RequestError::BadConnectionCount { value: "0".into() })
         );
         assert_eq!(
             no_snapshot_parameters(&raw(&[("b", ""), ("a", "")])),

@@ -48,6 +48,7 @@ async fn fixture() -> Fixture {
         parameters: BTreeMap::new(),
         source: None,
         published: BTreeMap::new(),
+        mutable: BTreeMap::new(),
         grants: BTreeMap::new(),
     };
     backend.create_volume(IMAGE, &meta).await.unwrap();

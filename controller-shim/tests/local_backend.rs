@@ -13,7 +13,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use controller_shim::backend::local::LocalBackend;
-use controller_shim::exports::ExportServer;
 use csi_proto::csi::controller_client::ControllerClient;
 use csi_proto::csi::volume_capability::access_mode::Mode;
 use csi_proto::csi::*;
@@ -41,18 +40,16 @@ impl Drop for Controller {
 }
 
 async fn start() -> Controller {
+    start_in(None).await
+}
+
+/// The controller, checking nodes and claims against `cluster` when given.
+async fn start_in(cluster: Option<controller_shim::provision::Cluster>) -> Controller {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().join("store");
     let listen: std::net::SocketAddr = ([127, 0, 0, 1], testkit::free_port().unwrap()).into();
     let backend = LocalBackend::open(&root, &listen.to_string()).unwrap();
-    let exports = tokio::spawn(
-        ExportServer {
-            backend: backend.clone(),
-            listen,
-            metrics: Default::default(),
-        }
-        .supervise(),
-    );
+    let exports = common::start_exports(&backend, listen);
     // Bound here and handed over: no window in which another test could take the port.
     let metrics_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let metrics = metrics_listener.local_addr().unwrap();
@@ -61,7 +58,7 @@ async fn start() -> Controller {
         Arc::new(backend),
         "test",
         Some(metrics_listener),
-        None,
+        cluster,
     )
     .await;
     Controller {
@@ -607,7 +604,25 @@ async fn bad_input_gets_the_spec_code() {
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(caps.capabilities.len(), 9);
+    use controller_service_capability::rpc::Type as Rpc;
+    let offered: Vec<Rpc> = caps
+        .capabilities
+        .iter()
+        .filter_map(|c| match &c.r#type {
+            Some(controller_service_capability::Type::Rpc(r)) => Rpc::try_from(r.r#type).ok(),
+            None => None,
+        })
+        .collect();
+    assert_eq!(offered.len(), 14, "{offered:?}");
+    for wanted in [
+        Rpc::ListVolumes,
+        Rpc::ListVolumesPublishedNodes,
+        Rpc::GetVolume,
+        Rpc::VolumeCondition,
+        Rpc::ModifyVolume,
+    ] {
+        assert!(offered.contains(&wanted), "{wanted:?} not offered");
+    }
 
     // Every call above is counted by method and code, with its latency.
     let metrics = testkit::scrape(c.metrics).await;
@@ -754,4 +769,375 @@ async fn an_unpublish_given_up_at_its_deadline_still_fences_the_node() {
         .await
         .unwrap();
     assert!(dialed_size(&uri).await.is_err_and(|e| is_refusal(&e)));
+}
+
+/// ControllerGetVolume's answer for `volume_id`: the nodes it is published to, and its
+/// condition (abnormal, message).
+async fn volume_status(c: &mut Controller, volume_id: &str) -> (Vec<String>, bool, String) {
+    let answer = c
+        .client
+        .controller_get_volume(ControllerGetVolumeRequest {
+            volume_id: volume_id.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(answer.volume.unwrap().volume_id, volume_id);
+    let status = answer.status.unwrap();
+    let condition = status.volume_condition.unwrap();
+    (
+        status.published_node_ids,
+        condition.abnormal,
+        condition.message,
+    )
+}
+
+/// Rewrites the metadata file of `volume_id` as `change` makes it.
+fn edit_meta(c: &Controller, volume_id: &str, change: impl FnOnce(&mut serde_json::Value)) {
+    let image = volume_id.rsplit(':').next().unwrap();
+    let path = c.root.join("meta").join(format!("volume-{image}.json"));
+    let mut meta: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    change(&mut meta);
+    std::fs::write(&path, serde_json::to_vec(&meta).unwrap()).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn volumes_are_listed_in_pages_with_their_nodes_and_condition() {
+    let mut c = start().await;
+    let mut ids = Vec::new();
+    for name in ["pvc-a", "pvc-b", "pvc-c"] {
+        ids.push(
+            created_volume(&mut c.client, create(name, MIB, ext4()))
+                .await
+                .volume_id,
+        );
+    }
+    ids.sort();
+    let list = |max: i32, token: &str| ListVolumesRequest {
+        max_entries: max,
+        starting_token: token.into(),
+    };
+    let listed = |r: &ListVolumesResponse| -> Vec<String> {
+        r.entries
+            .iter()
+            .map(|e| e.volume.as_ref().unwrap().volume_id.clone())
+            .collect()
+    };
+    let all = c
+        .client
+        .list_volumes(list(0, ""))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(listed(&all), ids);
+    assert!(all.next_token.is_empty());
+    let first = c
+        .client
+        .list_volumes(list(2, ""))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(listed(&first), ids[..2]);
+    let rest = c
+        .client
+        .list_volumes(list(2, &first.next_token))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(listed(&rest), ids[2..]);
+    assert!(rest.next_token.is_empty());
+    let err = c.client.list_volumes(list(0, "garbage")).await.unwrap_err();
+    assert_eq!(err.code(), Code::Aborted, "{}", err.message());
+    let err = c.client.list_volumes(list(-1, "")).await.unwrap_err();
+    assert_invalid_naming(&err, "max_entries");
+
+    // Published, granted, served: healthy, and the node listed.
+    let (a, b, gone) = (&ids[0], &ids[1], &ids[2]);
+    granted_uri(&c, a, "node-1", ext4()).await;
+    assert_eq!(
+        volume_status(&mut c, a).await,
+        (vec!["node-1".to_owned()], false, "healthy".to_owned())
+    );
+    let status = all.entries[1].status.as_ref().unwrap();
+    assert!(status.published_node_ids.is_empty());
+    assert!(!status.volume_condition.as_ref().unwrap().abnormal);
+
+    // What the storage lost is each volume's condition, in words that say what.
+    edit_meta(&c, a, |m| m["grants"] = serde_json::json!({}));
+    let (nodes, abnormal, message) = volume_status(&mut c, a).await;
+    assert_eq!(nodes, ["node-1"]);
+    assert!(abnormal && message.contains("no grant"), "{message}");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(image_file(&c, b))
+        .unwrap()
+        .set_len(MIB as u64 / 2)
+        .unwrap();
+    let (_, abnormal, message) = volume_status(&mut c, b).await;
+    assert!(abnormal && message.contains("less than"), "{message}");
+    std::fs::remove_file(image_file(&c, gone)).unwrap();
+    let (_, abnormal, message) = volume_status(&mut c, gone).await;
+    assert!(abnormal && message.contains("missing"), "{message}");
+    let listed_conditions: Vec<bool> = c
+        .client
+        .list_volumes(list(0, ""))
+        .await
+        .unwrap()
+        .into_inner()
+        .entries
+        .iter()
+        .map(|e| {
+            e.status
+                .as_ref()
+                .unwrap()
+                .volume_condition
+                .as_ref()
+                .unwrap()
+                .abnormal
+        })
+        .collect();
+    assert_eq!(
+        listed_conditions,
+        [true, true, true],
+        "the list says the same"
+    );
+
+    // Unpublished, the missing grant no longer matters; the export server stopping does.
+    c.client
+        .controller_unpublish_volume(controller_unpublish_request(a, "node-1"))
+        .await
+        .unwrap();
+    assert_eq!(
+        volume_status(&mut c, a).await,
+        (vec![], false, "healthy".to_owned())
+    );
+    c.tasks[0].abort();
+    let started = Instant::now();
+    loop {
+        let (_, abnormal, message) = volume_status(&mut c, a).await;
+        if abnormal {
+            assert!(message.contains("export server"), "{message}");
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "nbdkit still serves"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    for (id, code) in [
+        ("local:volume:test-unknown", Code::NotFound),
+        ("", Code::InvalidArgument),
+    ] {
+        let err = c
+            .client
+            .controller_get_volume(ControllerGetVolumeRequest {
+                volume_id: id.into(),
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), code, "{id:?}: {}", err.message());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutable_parameters_set_the_connections_of_the_next_publication() {
+    let mut c = start().await;
+    let mut request = create("pvc-m", MIB, ext4());
+    request
+        .parameters
+        .insert("nbdConnections".into(), "2".into());
+    request
+        .mutable_parameters
+        .insert("nbdConnections".into(), "3".into());
+    let v = created_volume(&mut c.client, request).await;
+    assert_eq!(
+        v.volume_context["nbdConnections"], "2",
+        "the volume context is the StorageClass's, the same in every answer"
+    );
+    let connections = |c: &Controller| {
+        let (client, id) = (c.client.clone(), v.volume_id.clone());
+        async move {
+            client
+                .clone()
+                .controller_publish_volume(controller_publish_request(&id, "node-1", ext4()))
+                .await
+                .unwrap()
+                .into_inner()
+                .publish_context["nbdConnections"]
+                .clone()
+        }
+    };
+    assert_eq!(
+        connections(&c).await,
+        "3",
+        "CreateVolume's mutable parameters hold"
+    );
+    let modify = |id: &str, pairs: &[(&str, &str)]| ControllerModifyVolumeRequest {
+        volume_id: id.into(),
+        mutable_parameters: pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+    };
+    c.client
+        .controller_modify_volume(modify(&v.volume_id, &[("nbdConnections", "4")]))
+        .await
+        .unwrap();
+    assert_eq!(
+        connections(&c).await,
+        "4",
+        "the next publication has the new count"
+    );
+    let (listed, ..) = (
+        c.client
+            .controller_get_volume(ControllerGetVolumeRequest {
+                volume_id: v.volume_id.clone(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .volume
+            .unwrap(),
+        (),
+    );
+    assert_eq!(
+        listed.volume_context, v.volume_context,
+        "static, as the spec has it"
+    );
+
+    // Refused, and nothing changed.
+    for (id, pairs, code, naming) in [
+        (
+            &*v.volume_id,
+            &[("pool", "x")][..],
+            Code::InvalidArgument,
+            "pool",
+        ),
+        (
+            &v.volume_id,
+            &[("nbdConnections", "0")],
+            Code::InvalidArgument,
+            "nbdConnections",
+        ),
+        (
+            "",
+            &[("nbdConnections", "2")],
+            Code::InvalidArgument,
+            "volume_id",
+        ),
+        (
+            "local:volume:test-unknown",
+            &[("nbdConnections", "2")],
+            Code::NotFound,
+            "does not exist",
+        ),
+    ] {
+        let err = c
+            .client
+            .controller_modify_volume(modify(id, pairs))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), code, "{pairs:?}: {}", err.message());
+        assert!(err.message().contains(naming), "{}", err.message());
+    }
+    assert_eq!(connections(&c).await, "4");
+    let mut bad = create("pvc-n", MIB, ext4());
+    bad.mutable_parameters
+        .insert("XXX_FakeKey".into(), "v".into());
+    let err = c.client.create_volume(bad).await.unwrap_err();
+    assert_invalid_naming(&err, "XXX_FakeKey");
+}
+
+/// Nodes that all exist, each taking `limit` volumes; claims that are all admitted.
+#[derive(Debug)]
+struct Limited {
+    limit: u64,
+}
+
+impl controller_shim::provision::Nodes for Limited {
+    fn has_node(&self, _node_id: &str) -> Option<bool> {
+        Some(true)
+    }
+
+    fn attach_limit(&self, _node_id: &str) -> Option<u64> {
+        Some(self.limit)
+    }
+}
+
+#[tonic::async_trait]
+impl controller_shim::provision::Claims for Limited {
+    async fn admitted(
+        &self,
+        _namespace: &str,
+        _name: &str,
+    ) -> Result<(), controller_shim::provision::ClaimError> {
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_at_its_attach_limit_takes_no_more_volumes() {
+    let limited = Arc::new(Limited { limit: 2 });
+    let mut c = start_in(Some(controller_shim::provision::Cluster {
+        nodes: limited.clone(),
+        claims: limited,
+    }))
+    .await;
+    let mut ids = Vec::new();
+    for name in ["pvc-1", "pvc-2", "pvc-3"] {
+        ids.push(
+            created_volume(&mut c.client, create(name, MIB, ext4()))
+                .await
+                .volume_id,
+        );
+    }
+    granted_uri(&c, &ids[0], "node-1", ext4()).await;
+    // Two at once for the node's last device: one takes it, the other is refused.
+    let publish = |id: &str| {
+        let mut client = c.client.clone();
+        let request = controller_publish_request(id, "node-1", ext4());
+        async move { client.controller_publish_volume(request).await }
+    };
+    let (one, two) = tokio::join!(publish(&ids[1]), publish(&ids[2]));
+    let refused: Vec<tonic::Status> = [one, two].into_iter().filter_map(Result::err).collect();
+    assert_eq!(refused.len(), 1, "{refused:?}");
+    let err = &refused[0];
+    assert_eq!(err.code(), Code::ResourceExhausted, "{}", err.message());
+    assert!(
+        err.message().contains("node-1") && err.message().contains("holds 2"),
+        "{}",
+        err.message()
+    );
+    let first_refused = c
+        .client
+        .controller_get_volume(ControllerGetVolumeRequest {
+            volume_id: ids[1].clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .status
+        .unwrap()
+        .published_node_ids
+        .is_empty();
+    let (held, free) = if first_refused {
+        (&ids[2], &ids[1])
+    } else {
+        (&ids[1], &ids[2])
+    };
+    // A repeated publication is no new one; another node has room; a freed device is room.
+    granted_uri(&c, &ids[0], "node-1", ext4()).await;
+    granted_uri(&c, free, "node-2", ext4()).await;
+    c.client
+        .controller_unpublish_volume(controller_unpublish_request(free, "node-2"))
+        .await
+        .unwrap();
+    c.client
+        .controller_unpublish_volume(controller_unpublish_request(held, "node-1"))
+        .await
+        .unwrap();
+    granted_uri(&c, free, "node-1", ext4()).await;
 }

@@ -243,23 +243,30 @@ async fn a_refused_login_names_its_reason_to_the_sidecar() {
 }
 
 /// The connections as a fixed list, the first the oldest (in Kubernetes the glue keeps
-/// them): each name's session to its uStor.
+/// them): each name's session to its uStor, or why it has none.
 #[derive(Debug)]
-struct FixedConnections(Vec<(&'static str, Arc<UstorApi>)>);
+struct FixedConnections(Vec<(&'static str, Result<Arc<UstorApi>, &'static str>)>);
 
 impl ConnectionDirectory for FixedConnections {
     fn api(&self, connection: &str) -> Result<Arc<UstorApi>, ConnectionError> {
-        self.0
-            .iter()
-            .find(|(name, _)| *name == connection)
-            .map(|(_, api)| Arc::clone(api))
-            .ok_or_else(|| ConnectionError::Unknown {
+        match self.0.iter().find(|(name, _)| *name == connection) {
+            Some((_, Ok(api))) => Ok(Arc::clone(api)),
+            Some((_, Err(reason))) => Err(ConnectionError::NotUsable {
                 connection: connection.to_owned(),
-            })
+                reason: (*reason).to_owned(),
+            }),
+            None => Err(ConnectionError::Unknown {
+                connection: connection.to_owned(),
+            }),
+        }
     }
 
     fn oldest(&self) -> Option<String> {
         self.0.first().map(|(name, _)| (*name).to_owned())
+    }
+
+    fn names(&self) -> Vec<String> {
+        self.0.iter().map(|(name, _)| (*name).to_owned()).collect()
     }
 }
 
@@ -267,6 +274,15 @@ impl ConnectionDirectory for FixedConnections {
 /// `--backend ustor --kubernetes` serves it.
 async fn connections_controller(
     server: &FakeUstor,
+) -> (ControllerClient<Channel>, tempfile::TempDir) {
+    connections_controller_with(server, &[]).await
+}
+
+/// The controller over `main` on `server` and the connections `down`, each not usable for
+/// the reason given.
+async fn connections_controller_with(
+    server: &FakeUstor,
+    down: &[(&'static str, &'static str)],
 ) -> (ControllerClient<Channel>, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let creds = dir.path().join("credentials");
@@ -281,7 +297,9 @@ async fn connections_controller(
         Arc::new(Instant::now),
     )
     .unwrap();
-    let directory = FixedConnections(vec![("main", Arc::new(api))]);
+    let mut connections = vec![("main", Ok(Arc::new(api)))];
+    connections.extend(down.iter().map(|(name, reason)| (*name, Err(*reason))));
+    let directory = FixedConnections(connections);
     let backend = ConnectionsBackend::new(Arc::new(directory), "data");
     let (client, _server) =
         common::serve_controller(dir.path(), Arc::new(backend), "test", None, None).await;
@@ -431,4 +449,141 @@ async fn publications_hold_ustor_grants() {
     c.delete_volume(delete_volume_request(&v.volume_id))
         .await
         .unwrap();
+}
+
+/// ListVolumes over uStor: every pool, only this cluster's images, the nodes and the
+/// condition from uStor's grants; ControllerModifyVolume kept in the image's labels.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn volumes_are_listed_from_every_pool_and_modified_in_labels() {
+    use controller_shim::backend::Backend;
+    let server = FakeUstor::start().await.unwrap();
+    server.set_user("csi", "pw", None);
+    let (mut c, dir) = controller(&server, "pw").await;
+    let one = created_volume(&mut c, create("pvc-1", 100 * MIB, Some("data"))).await;
+    let two = created_volume(&mut c, create("pvc-2", 100 * MIB, Some("fast"))).await;
+    // Another cluster's volume on the same uStor is not this controller's.
+    let other_dir = tempfile::tempdir().unwrap();
+    let (mut other, _server) = common::serve_controller(
+        other_dir.path(),
+        Arc::new(backend(&server, other_dir.path(), "pw")),
+        "other",
+        None,
+        None,
+    )
+    .await;
+    created_volume(&mut other, create("pvc-1", 100 * MIB, Some("data"))).await;
+
+    let list = |c: &ControllerClient<Channel>| {
+        let mut c = c.clone();
+        async move {
+            c.list_volumes(ListVolumesRequest::default())
+                .await
+                .unwrap()
+                .into_inner()
+                .entries
+        }
+    };
+    let entries = list(&c).await;
+    let ids: Vec<&str> = entries
+        .iter()
+        .map(|e| e.volume.as_ref().unwrap().volume_id.as_str())
+        .collect();
+    assert_eq!(ids, [one.volume_id.as_str(), two.volume_id.as_str()]);
+    assert_eq!(
+        entries[0].volume.as_ref().unwrap().volume_context,
+        one.volume_context
+    );
+
+    let cap = mount_capability("ext4", Mode::SingleNodeWriter);
+    c.controller_publish_volume(controller_publish_request(
+        &one.volume_id,
+        "node-1",
+        cap.clone(),
+    ))
+    .await
+    .unwrap();
+    let status = list(&c).await[0].status.clone().unwrap();
+    assert_eq!(status.published_node_ids, ["node-1"]);
+    assert!(!status.volume_condition.unwrap().abnormal);
+    // The grant gone in uStor (revoked by hand there): the publication cannot reconnect.
+    backend(&server, dir.path(), "pw")
+        .revoke("data/test-pvc-1", "node-1")
+        .await
+        .unwrap();
+    let condition = list(&c).await[0]
+        .status
+        .clone()
+        .unwrap()
+        .volume_condition
+        .unwrap();
+    assert!(condition.abnormal, "{condition:?}");
+    assert!(
+        condition.message.contains("node-1"),
+        "{}",
+        condition.message
+    );
+
+    c.controller_modify_volume(ControllerModifyVolumeRequest {
+        volume_id: one.volume_id.clone(),
+        mutable_parameters: [("nbdConnections".to_owned(), "5".to_owned())].into(),
+    })
+    .await
+    .unwrap();
+    let stored = backend(&server, dir.path(), "pw")
+        .volume("data/test-pvc-1")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        stored.mutable["nbdConnections"], "5",
+        "kept in uStor's labels"
+    );
+    let context = c
+        .controller_publish_volume(controller_publish_request(&one.volume_id, "node-1", cap))
+        .await
+        .unwrap()
+        .into_inner()
+        .publish_context;
+    assert_eq!(context["nbdConnections"], "5");
+
+    // Through the connections, ids carry the connection.
+    let (connections, _dir) = connections_controller(&server).await;
+    let ids: Vec<String> = list(&connections)
+        .await
+        .iter()
+        .map(|e| e.volume.as_ref().unwrap().volume_id.clone())
+        .collect();
+    assert_eq!(
+        ids,
+        [
+            "ustor:volume:main/data/test-pvc-1",
+            "ustor:volume:main/fast/test-pvc-2"
+        ]
+    );
+
+    // A connection without a session: its volumes cannot be listed, so no list is answered
+    // (one without them would say they are gone); each says so as its condition.
+    let (mut down, _dir) =
+        connections_controller_with(&server, &[("beta", "UserLocked: locked for 15 minutes")])
+            .await;
+    let err = down
+        .list_volumes(ListVolumesRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{}", err.message());
+    assert!(err.message().contains("beta"), "{}", err.message());
+    let answer = down
+        .controller_get_volume(ControllerGetVolumeRequest {
+            volume_id: "ustor:volume:beta/data/test-pvc-9".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let condition = answer.status.unwrap().volume_condition.unwrap();
+    assert!(condition.abnormal);
+    assert!(
+        condition.message.contains("UserLocked"),
+        "{}",
+        condition.message
+    );
 }

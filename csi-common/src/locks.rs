@@ -25,6 +25,11 @@ impl KeyedLocks {
         self.entry(key).lock_owned().await
     }
 
+    /// The lock of `key` if no one holds it now.
+    pub fn try_lock(&self, key: &str) -> Option<OwnedMutexGuard<()>> {
+        self.entry(key).try_lock_owned().ok()
+    }
+
     /// Waits for the locks of all `keys`, taken in sorted order so that two callers wanting
     /// overlapping sets cannot deadlock.
     pub async fn lock_all(&self, keys: &[String]) -> Vec<OwnedMutexGuard<()>> {
@@ -57,6 +62,8 @@ mod tests {
                 .is_err(),
             "the same name waits"
         );
+        assert!(locks.try_lock("a").is_none(), "held: not taken");
+        assert!(locks.try_lock("b").is_some(), "free: taken");
         drop(a);
         let (x, y) = (Arc::clone(&locks), Arc::clone(&locks));
         let one = tokio::spawn(async move {

@@ -42,6 +42,8 @@ pub trait ConnectionDirectory: Send + Sync + fmt::Debug {
     fn api(&self, connection: &str) -> Result<Arc<UstorApi>, ConnectionError>;
     /// The oldest connection, for keys and StorageClasses that name none.
     fn oldest(&self) -> Option<String>;
+    /// Every existing connection, by name.
+    fn names(&self) -> Vec<String>;
 }
 
 #[derive(Debug)]
@@ -103,6 +105,14 @@ impl ConnectionsBackend {
             meta.source = Some(source.with_key(split(source.key()).1.to_owned()));
         }
         Ok(meta)
+    }
+
+    /// `meta` as `connection`'s backend recorded it, its source keyed with the connection.
+    fn answered(&self, connection: &str, mut meta: VolumeMeta) -> VolumeMeta {
+        meta.source = meta
+            .source
+            .map(|s| s.with_key(format!("{connection}/{}", s.key())));
+        meta
     }
 
     /// The backend of an image key and the key as that backend knows it.
@@ -176,12 +186,31 @@ impl Backend for ConnectionsBackend {
     async fn volume(&self, key: &str) -> Result<Option<VolumeMeta>, BackendError> {
         let (connection, rest) = split(key);
         let (connection, backend) = self.serving(connection)?;
-        Ok(backend.volume(rest).await?.map(|mut meta| {
-            meta.source = meta
-                .source
-                .map(|s| s.with_key(format!("{connection}/{}", s.key())));
-            meta
-        }))
+        Ok(backend
+            .volume(rest)
+            .await?
+            .map(|meta| self.answered(&connection, meta)))
+    }
+
+    /// Every connection's volumes, keyed with it. A connection that is not usable fails the
+    /// list, naming it: its volumes cannot be listed, and a list without them would say
+    /// they are gone.
+    async fn volumes(&self) -> Result<Vec<(String, VolumeMeta)>, BackendError> {
+        let mut out = Vec::new();
+        for connection in self.directory.names() {
+            let (_, backend) = self.serving(Some(&connection))?;
+            for (key, meta) in backend.volumes().await? {
+                let key = format!("{connection}/{key}");
+                out.push((key, self.answered(&connection, meta)));
+            }
+        }
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(out)
+    }
+
+    async fn problem(&self, key: &str, meta: &VolumeMeta) -> Result<Option<String>, BackendError> {
+        let (backend, rest) = self.route(key)?;
+        backend.problem(rest, meta).await
     }
 
     async fn create_volume(&self, key: &str, meta: &VolumeMeta) -> Result<(), BackendError> {

@@ -212,6 +212,31 @@ impl LocalBackend {
             .map_err(io("fsync", &dir))
     }
 
+    /// Every record of `kind`, by image, sorted.
+    fn all_meta<T: DeserializeOwned>(
+        &self,
+        kind: &'static str,
+    ) -> Result<Vec<(String, T)>, LocalError> {
+        let mut out = Vec::new();
+        let dir = self.root.join("meta");
+        let prefix = format!("{kind}-");
+        for entry in fs::read_dir(&dir).map_err(io("list", &dir))? {
+            let name = entry.map_err(io("list", &dir))?.file_name();
+            let Some(image) = name
+                .to_str()
+                .and_then(|n| n.strip_prefix(&prefix)?.strip_suffix(".json"))
+            else {
+                continue;
+            };
+            // Deleted between the listing and the read: not there.
+            if let Some(meta) = self.read_meta::<T>(kind, image)? {
+                out.push((image.to_owned(), meta));
+            }
+        }
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(out)
+    }
+
     fn remove(path: &Path) -> Result<(), LocalError> {
         match fs::remove_file(path) {
             Ok(()) => Ok(()),
@@ -427,22 +452,58 @@ impl Backend for LocalBackend {
         &self,
         _near: Option<&str>,
     ) -> Result<Vec<(String, SnapshotMeta)>, BackendError> {
-        let mut out = Vec::new();
-        let dir = self.root.join("meta");
-        for entry in fs::read_dir(&dir).map_err(io("list", &dir))? {
-            let name = entry.map_err(io("list", &dir))?.file_name();
-            let Some(image) = name
-                .to_str()
-                .and_then(|n| n.strip_prefix("snapshot-")?.strip_suffix(".json"))
-            else {
-                continue;
+        Ok(self.all_meta("snapshot")?)
+    }
+
+    async fn volumes(&self) -> Result<Vec<(String, VolumeMeta)>, BackendError> {
+        Ok(self.all_meta("volume")?)
+    }
+
+    async fn problem(
+        &self,
+        image: &str,
+        meta: &VolumeMeta,
+    ) -> Result<Option<String>, BackendError> {
+        let path = self.image_path(image);
+        match fs::metadata(&path) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Ok(Some(format!(
+                    "its image file {} is missing",
+                    path.display()
+                )))
+            }
+            Err(e) => return Err(io("stat", &path)(e).into()),
+            Ok(m) if m.len() < meta.size => {
+                return Ok(Some(format!(
+                    "its image file {} holds {} bytes, less than the volume's {}",
+                    path.display(),
+                    m.len(),
+                    meta.size
+                )))
+            }
+            Ok(_) => {}
+        }
+        // The export server behind the gate opens the image: a handshake with it, as the gate
+        // would make one (read-only publications are served by the second instance).
+        let read_only = meta.published.values().any(|ro| *ro);
+        for socket in [Some(false), read_only.then_some(true)]
+            .into_iter()
+            .flatten()
+        {
+            let socket = self.export_socket(socket);
+            let uri = nbd::NbdUri::unix(&socket, image);
+            let opts = nbd::dial::DialOptions {
+                deadline: std::time::Duration::from_secs(5),
+                ..Default::default()
             };
-            if let Some(meta) = self.read_meta::<SnapshotMeta>("snapshot", image)? {
-                out.push((image.to_owned(), meta));
+            if let Err(e) = nbd::dial::dial_one(&uri, &opts).await {
+                return Ok(Some(format!(
+                    "the export server (nbdkit at {}) does not serve it: {e}",
+                    socket.display()
+                )));
             }
         }
-        out.sort_by(|a, b| a.0.cmp(&b.0));
-        Ok(out)
+        Ok(None)
     }
 
     async fn capacity(

@@ -51,10 +51,22 @@ pub struct VolumeMeta {
     /// Node id → published read-only.
     #[serde(default)]
     pub published: BTreeMap<String, bool>,
+    /// The mutable parameters (a VolumeAttributesClass's), as CreateVolume gave them or
+    /// ControllerModifyVolume last set them; each overrides the StorageClass's parameter of
+    /// the same name.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub mutable: BTreeMap<String, String>,
     /// Node id → its live grant, where the backend keeps grants with the volume (local);
     /// the backend's own: [`Backend::update_volume`] keeps what is stored.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub grants: BTreeMap<String, Grant>,
+}
+
+impl VolumeMeta {
+    /// The parameter `key` in force: the mutable one if set, else the StorageClass's.
+    pub fn parameter(&self, key: &str) -> Option<&String> {
+        self.mutable.get(key).or_else(|| self.parameters.get(key))
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -108,6 +120,14 @@ pub trait Backend: Send + Sync + fmt::Debug {
     ///
     /// [`source_key`]: Backend::source_key
     async fn volume(&self, image: &str) -> Result<Option<VolumeMeta>, BackendError>;
+    /// Every volume with recorded metadata, by key, sorted by key (images of other tools, which
+    /// have none, are not volumes). All or an error: a list with a part missing would tell
+    /// its reader that the missing volumes are gone.
+    async fn volumes(&self) -> Result<Vec<(String, VolumeMeta)>, BackendError>;
+    /// What is wrong with the recorded volume `image` as the storage sees it (its data gone
+    /// or short, its export server down), in words for an operator; `None` when nothing is.
+    async fn problem(&self, image: &str, meta: &VolumeMeta)
+        -> Result<Option<String>, BackendError>;
     /// Creates the image (empty, or filled from `meta.source`) and records `meta`.
     async fn create_volume(&self, image: &str, meta: &VolumeMeta) -> Result<(), BackendError>;
     /// Records a changed `meta` (publications) without touching data.

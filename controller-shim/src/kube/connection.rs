@@ -87,14 +87,18 @@ impl Directory {
     /// (there is no finalizer: a deleted connection holds nothing to clean up in uStor), so
     /// the session of a deleted connection would otherwise live, logged in, for ever.
     fn prune(&self) {
-        let live: std::collections::HashSet<String> = self
-            .connections
+        let live = self.live();
+        self.sessions.lock().retain(|name, _| live.contains(name));
+    }
+
+    /// The connections that exist and are not being deleted, by name.
+    fn live(&self) -> std::collections::BTreeSet<String> {
+        self.connections
             .state()
             .iter()
             .filter(|c| c.metadata.deletion_timestamp.is_none())
             .map(|c| c.name_any())
-            .collect();
-        self.sessions.lock().retain(|name, _| live.contains(name));
+            .collect()
     }
 
     /// Each existing connection's login state, for metrics.
@@ -146,6 +150,10 @@ impl ConnectionDirectory for Directory {
                     ))
             })
             .map(|c| c.name_any())
+    }
+
+    fn names(&self) -> Vec<String> {
+        self.live().into_iter().collect()
     }
 }
 

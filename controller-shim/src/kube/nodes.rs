@@ -51,16 +51,36 @@ impl CsiNodes {
     }
 }
 
+impl CsiNodes {
+    /// Our driver's entry in the CSINode of `node_id`, if any.
+    fn entry<T>(
+        &self,
+        node_id: &str,
+        read: impl Fn(&k8s_openapi::api::storage::v1::CSINodeDriver) -> T,
+    ) -> Option<T> {
+        self.store.state().iter().find_map(|node: &Arc<CSINode>| {
+            node.spec
+                .drivers
+                .iter()
+                .find(|d| d.name == DRIVER_NAME && d.node_id == node_id)
+                .map(&read)
+        })
+    }
+}
+
 impl Nodes for CsiNodes {
     fn has_node(&self, node_id: &str) -> Option<bool> {
         if !self.listed.load(Ordering::Acquire) {
             return None;
         }
-        Some(self.store.state().iter().any(|node: &Arc<CSINode>| {
-            node.spec
-                .drivers
-                .iter()
-                .any(|d| d.name == DRIVER_NAME && d.node_id == node_id)
-        }))
+        Some(self.entry(node_id, |_| ()).is_some())
+    }
+
+    /// kubelet writes the node daemon's max_volumes_per_node there; 0 or none is no limit.
+    fn attach_limit(&self, node_id: &str) -> Option<u64> {
+        self.entry(node_id, |d| d.allocatable.as_ref().and_then(|a| a.count))
+            .flatten()
+            .and_then(|count| u64::try_from(count).ok())
+            .filter(|count| *count > 0)
     }
 }

@@ -3,12 +3,14 @@
 //! the images it touches, and gives the CSI answer or a typed error; which gRPC code that
 //! error becomes is `service::codes`'s business.
 //!
-//! - [`volumes`]: create, delete, expand, validate capabilities, capacity;
+//! - [`volumes`]: create, delete, expand, modify, validate capabilities, capacity;
 //! - [`publish`]: ControllerPublish/Unpublish bookkeeping and the node check;
 //! - [`snapshots`]: create, delete, list;
+//! - [`listing`]: ListVolumes and ControllerGetVolume, with each volume's condition;
 //! - [`claims`]: the claim check of a ReadWriteMany block volume.
 
 pub mod claims;
+pub mod listing;
 pub mod publish;
 pub mod snapshots;
 pub mod volumes;
@@ -102,16 +104,16 @@ impl Provisioner {
             .ok_or_else(|| VolumeError::Missing { volume: h.clone() }.into())
     }
 
-    /// What a node needs to attach `image`: its URI, the connection count, and for an
-    /// `nbds://` export the TLS profile of its connection.
+    /// What a node needs to attach `image`: its URI, the connection count `connections`,
+    /// and for an `nbds://` export the TLS profile of its connection.
     async fn export_context(
         &self,
         image: &str,
-        meta: &VolumeMeta,
+        connections: Option<&String>,
     ) -> Result<HashMap<String, String>, BackendError> {
         let uri = self.backend.export_uri(image).await?;
         let mut context = HashMap::new();
-        if let Some(n) = meta.parameters.get("nbdConnections") {
+        if let Some(n) = connections {
             context.insert("nbdConnections".into(), n.clone());
         }
         if uri.parse::<nbd::NbdUri>().is_ok_and(|u| u.tls()) {
@@ -123,8 +125,13 @@ impl Provisioner {
         Ok(context)
     }
 
+    /// The volume as CreateVolume answered it. Its context is the spec's "static properties"
+    /// (the same in every answer), so it holds the StorageClass's connection count; the one in
+    /// force, which ControllerModifyVolume may change, is in each publish context.
     async fn volume_answer(&self, image: &str, meta: &VolumeMeta) -> Result<Volume, BackendError> {
-        let context = self.export_context(image, meta).await?;
+        let context = self
+            .export_context(image, meta.parameters.get("nbdConnections"))
+            .await?;
         Ok(Volume {
             capacity_bytes: wire_size(meta.size),
             volume_id: Handle::new(self.backend.name(), Kind::Volume, image.to_owned()).to_string(),

@@ -20,6 +20,15 @@ pub const GRANT_KEY: &str = "nbdGrant";
 pub trait Nodes: Send + Sync + std::fmt::Debug {
     /// `None` while the list is still loading.
     fn has_node(&self, node_id: &str) -> Option<bool>;
+    /// How many volumes the node takes at most (its CSINode's allocatable count, from the
+    /// node daemon's NodeGetInfo); `None` when it says no limit.
+    fn attach_limit(&self, node_id: &str) -> Option<u64>;
+}
+
+/// The lock of a node's publications: the count against its limit and the new publication
+/// are one step, so two volumes published at once cannot both take its last device.
+fn node_lock(node: &str) -> String {
+    format!("n:{node}")
 }
 
 impl Provisioner {
@@ -31,6 +40,34 @@ impl Provisioner {
             }),
             Some(None) => Err(VolumeError::NodeListLoading),
         }
+    }
+
+    /// Refuses a new publication to a node that holds as many volumes as its limit. The
+    /// scheduler keeps to the limit too, but only for pods it places; this holds for every
+    /// publication, counted from the backend's records.
+    async fn require_room(&self, node_id: &str) -> Result<(), crate::error::Error> {
+        let Some(limit) = self
+            .cluster
+            .as_ref()
+            .and_then(|c| c.nodes.attach_limit(node_id))
+        else {
+            return Ok(());
+        };
+        let held = self
+            .backend
+            .volumes()
+            .await?
+            .iter()
+            .filter(|(key, meta)| self.is_ours(key, meta) && meta.published.contains_key(node_id))
+            .count() as u64;
+        if held >= limit {
+            return Err(VolumeError::AttachLimit {
+                node: node_id.to_owned(),
+                limit,
+            }
+            .into());
+        }
+        Ok(())
     }
 
     pub async fn publish(
@@ -66,13 +103,19 @@ impl Provisioner {
                     }
                     .into());
                 }
+                // Taken after the image's lock, as every publication takes them.
+                let _node = self.images.lock(&node_lock(&r.node_id)).await;
+                self.require_room(&r.node_id).await?;
                 meta.published.insert(r.node_id.clone(), r.readonly);
                 self.backend.update_volume(&h.image, &meta).await?;
             }
         }
         // After the publication is recorded: a grant never outlives what unpublish revokes.
         let token = self.backend.grant(&h.image, &r.node_id, r.readonly).await?;
-        let mut context = self.export_context(&h.image, &meta).await?;
+        // The connection count in force: a VolumeAttributesClass's over the StorageClass's.
+        let mut context = self
+            .export_context(&h.image, meta.parameter("nbdConnections"))
+            .await?;
         context.insert(GRANT_KEY.to_owned(), token.expose().to_owned());
         Ok(ControllerPublishVolumeResponse {
             publish_context: context,

@@ -106,14 +106,9 @@ impl Provisioner {
                 snapshot: Some(self.snapshot_answer(image, meta)),
             })
             .collect();
-        let next = page.start + entries.len();
         Ok(ListSnapshotsResponse {
+            next_token: page.next_token(entries.len(), all.len()),
             entries,
-            next_token: if next < all.len() {
-                next.to_string()
-            } else {
-                String::new()
-            },
         })
     }
 }

@@ -37,6 +37,11 @@ pub enum VolumeError {
     NodeUnknown { node: String },
     #[error("the list of nodes is still loading from the Kubernetes API; retry")]
     NodeListLoading,
+    #[error(
+        "node {node:?} holds {limit} volumes of this driver already, its limit (its free nbd \
+         devices, or max-volumes in its node.toml): unpublish one there, or use another node"
+    )]
+    AttachLimit { node: String, limit: u64 },
 }
 
 impl Provisioner {
@@ -47,6 +52,7 @@ impl Provisioner {
         let image = image_for(&self.cluster_id, &r.name)?;
         request::check_capabilities(&r.volume_capabilities)?;
         let parameters = request::parameters(&r.parameters)?;
+        let mutable = request::mutable_parameters(&r.mutable_parameters)?;
         self.require_admitted(&r.volume_capabilities, &r.parameters)
             .await?;
         let image = self.backend.volume_key(&image, &parameters)?;
@@ -93,7 +99,9 @@ impl Provisioner {
             if !same {
                 return Err(VolumeError::Clash { name: r.name }.into());
             }
-            // The same answer as the first call's: the source as this request names it.
+            // The mutable parameters are not compared: ControllerModifyVolume may have changed
+            // them since. The same answer as the first call's: the source as this request
+            // names it.
             let existing = VolumeMeta { source, ..existing };
             return Ok(CreateVolumeResponse {
                 volume: Some(self.volume_answer(&image, &existing).await?),
@@ -105,6 +113,7 @@ impl Provisioner {
             parameters,
             source,
             published: BTreeMap::new(),
+            mutable,
             grants: BTreeMap::new(),
         };
         self.backend.create_volume(&image, &meta).await?;
@@ -162,6 +171,27 @@ impl Provisioner {
             capacity_bytes: wire_size(size.max(meta.size)),
             node_expansion_required: true,
         })
+    }
+
+    /// Records new mutable parameters (a VolumeAttributesClass's). Nothing on a node changes
+    /// now: a node takes `nbdConnections` from the publish context, so the new count holds
+    /// from the next ControllerPublishVolume to a node on (the volume's next attach there).
+    pub async fn modify_volume(
+        &self,
+        r: ControllerModifyVolumeRequest,
+    ) -> Result<ControllerModifyVolumeResponse, Error> {
+        require(!r.volume_id.is_empty(), "volume_id")?;
+        let changes = request::mutable_parameters(&r.mutable_parameters)?;
+        let h = self.volume_handle(&r.volume_id)?;
+        let _locked = self.images.lock(&volume_lock(&h.image)).await;
+        let mut meta = self.existing_volume(&h).await?;
+        let before = meta.mutable.clone();
+        meta.mutable.extend(changes);
+        if meta.mutable != before {
+            self.backend.update_volume(&h.image, &meta).await?;
+            tracing::info!(image = %h.image, mutable = ?meta.mutable, "volume modified");
+        }
+        Ok(ControllerModifyVolumeResponse {})
     }
 
     /// Confirms the capabilities the driver supports; a refused one is an answer with the

@@ -39,8 +39,8 @@ pub fn code(rpc: Rpc, error: &Error) -> Code {
 fn request(rpc: Rpc, e: &RequestError) -> Code {
     use RequestError as R;
     match (rpc, e) {
-        // Spec, ListSnapshots: "Invalid starting_token" is ABORTED.
-        (Rpc::ListSnapshots, R::BadStartingToken { .. }) => Code::Aborted,
+        // Spec, ListSnapshots and ListVolumes: "Invalid starting_token" is ABORTED.
+        (Rpc::ListSnapshots | Rpc::ListVolumes, R::BadStartingToken { .. }) => Code::Aborted,
         // Spec, CreateVolume and ControllerExpandVolume: "Unsupported capacity_range" is
         // OUT_OF_RANGE.
         (
@@ -56,6 +56,7 @@ fn request(rpc: Rpc, e: &RequestError) -> Code {
             | R::RoundedOverLimit { .. }
             | R::UnknownParameter { .. }
             | R::BadConnectionCount { .. }
+            | R::UnknownMutableParameter { .. }
             | R::SnapshotParameters { .. }
             | R::Capability(_)
             | R::Filesystem { .. }
@@ -94,6 +95,8 @@ fn volume(e: &VolumeError) -> Code {
         // Spec, ControllerPublishVolume: "Node does not exist".
         VolumeError::NodeUnknown { .. } => Code::NotFound,
         VolumeError::NodeListLoading => Code::Unavailable,
+        // Spec, ControllerPublishVolume: "Max volumes attached".
+        VolumeError::AttachLimit { .. } => Code::ResourceExhausted,
     }
 }
 

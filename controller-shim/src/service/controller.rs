@@ -111,9 +111,14 @@ impl ControllerService {
 }
 
 /// The RPCs this controller serves, as ControllerGetCapabilities lists them.
-const CAPABILITIES: [RpcCap; 9] = [
+const CAPABILITIES: [RpcCap; 14] = [
     RpcCap::CreateDeleteVolume,
     RpcCap::PublishUnpublishVolume,
+    RpcCap::ListVolumes,
+    RpcCap::ListVolumesPublishedNodes,
+    RpcCap::GetVolume,
+    RpcCap::VolumeCondition,
+    RpcCap::ModifyVolume,
     RpcCap::GetCapacity,
     RpcCap::CreateDeleteSnapshot,
     RpcCap::ListSnapshots,
@@ -185,7 +190,25 @@ impl Subject for ControllerExpandVolumeRequest {
     }
 }
 
+impl Subject for ControllerGetVolumeRequest {
+    fn about(&self) -> About<'_> {
+        About::volume(&self.volume_id)
+    }
+}
+
+impl Subject for ControllerModifyVolumeRequest {
+    fn about(&self) -> About<'_> {
+        About::volume(&self.volume_id)
+    }
+}
+
 /// Requests about no one object.
+impl Subject for ListVolumesRequest {
+    fn about(&self) -> About<'_> {
+        About::default()
+    }
+}
+
 impl Subject for GetCapacityRequest {
     fn about(&self) -> About<'_> {
         About::default()
@@ -337,6 +360,36 @@ impl Controller for ControllerService {
     ) -> Result<Response<ControllerExpandVolumeResponse>, Status> {
         self.call(Rpc::ControllerExpandVolume, r, |p, r| async move {
             p.expand_volume(r).await
+        })
+        .await
+    }
+
+    async fn list_volumes(
+        &self,
+        r: Request<ListVolumesRequest>,
+    ) -> Result<Response<ListVolumesResponse>, Status> {
+        self.call(Rpc::ListVolumes, r, |p, r| async move {
+            p.list_volumes(r).await
+        })
+        .await
+    }
+
+    async fn controller_get_volume(
+        &self,
+        r: Request<ControllerGetVolumeRequest>,
+    ) -> Result<Response<ControllerGetVolumeResponse>, Status> {
+        self.call(Rpc::ControllerGetVolume, r, |p, r| async move {
+            p.get_volume(r).await
+        })
+        .await
+    }
+
+    async fn controller_modify_volume(
+        &self,
+        r: Request<ControllerModifyVolumeRequest>,
+    ) -> Result<Response<ControllerModifyVolumeResponse>, Status> {
+        self.call(Rpc::ControllerModifyVolume, r, |p, r| async move {
+            p.modify_volume(r).await
         })
         .await
     }

@@ -14,6 +14,9 @@ pub enum Rpc {
     DeleteSnapshot,
     ListSnapshots,
     ControllerExpandVolume,
+    ListVolumes,
+    ControllerGetVolume,
+    ControllerModifyVolume,
 }
 
 impl Rpc {
@@ -30,6 +33,9 @@ impl Rpc {
             Rpc::DeleteSnapshot => "DeleteSnapshot",
             Rpc::ListSnapshots => "ListSnapshots",
             Rpc::ControllerExpandVolume => "ControllerExpandVolume",
+            Rpc::ListVolumes => "ListVolumes",
+            Rpc::ControllerGetVolume => "ControllerGetVolume",
+            Rpc::ControllerModifyVolume => "ControllerModifyVolume",
         }
     }
 }

@@ -194,6 +194,21 @@ pub fn snapshot_class_crd() -> String {
 /// its client and its task (abort it to stop the server). `metrics` is where it serves
 /// `/metrics`, `cluster` what checks a node before ControllerPublish and the claim of a
 /// ReadWriteMany block volume.
+/// The local backend's export server (nbdkit behind the gate) on `listen`, until aborted.
+pub fn start_exports(
+    backend: &controller_shim::backend::local::LocalBackend,
+    listen: std::net::SocketAddr,
+) -> JoinHandle<()> {
+    tokio::spawn(
+        controller_shim::exports::ExportServer {
+            backend: backend.clone(),
+            listen,
+            metrics: Default::default(),
+        }
+        .supervise(),
+    )
+}
+
 pub async fn serve_controller(
     dir: &Path,
     backend: Arc<dyn Backend>,

@@ -52,8 +52,12 @@ impl FakeUstor {
     pub async fn start() -> std::io::Result<Self> {
         let inner = Arc::new(Inner::default());
         let app = Router::new()
+            .route("/api/v1/pools", get(list_pools))
             .route("/api/v1/pools/{pool}", get(pool))
-            .route("/api/v1/pools/{pool}/images", post(create_image))
+            .route(
+                "/api/v1/pools/{pool}/images",
+                post(create_image).get(list_images),
+            )
             .route(
                 "/api/v1/pools/{pool}/images/{name}",
                 get(get_image).patch(patch_image).delete(delete_image),
@@ -230,6 +234,27 @@ async fn login(State(s): St, Json(body): Json<Value>) -> Response {
     }
 }
 
+/// The pools: `data` and every pool an image was created in (any name is a pool here).
+async fn list_pools(State(s): St) -> Response {
+    let mut names: std::collections::BTreeSet<String> = s
+        .images
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .keys()
+        .filter_map(|k| k.split_once('/').map(|(pool, _)| pool.to_owned()))
+        .collect();
+    names.insert("data".into());
+    let pools: Vec<Value> = names
+        .into_iter()
+        .map(|name| json!({"name": name, "totalBytes": 1u64 << 40, "freeBytes": 1u64 << 38}))
+        .collect();
+    Json(json!({"pools": pools})).into_response()
+}
+
+async fn list_images(State(s): St, Path(pool): Path<String>) -> Response {
+    Json(json!({"images": in_pool(&s.images, &pool)})).into_response()
+}
+
 async fn pool(Path(pool): Path<String>) -> Response {
     // Pools differ, so a test can tell which one was asked.
     let free: u64 = if pool == "data" { 1 << 39 } else { 1 << 38 };
@@ -394,15 +419,17 @@ async fn create_snapshot(
 }
 
 async fn list_snapshots(State(s): St, Path(pool): Path<String>) -> Response {
-    let snaps: Vec<Value> = s
-        .snapshots
-        .lock()
+    Json(json!({"snapshots": in_pool(&s.snapshots, &pool)})).into_response()
+}
+
+/// The objects of `map` (keyed `<pool>/<name>`) in `pool`.
+fn in_pool(map: &Mutex<HashMap<String, Value>>, pool: &str) -> Vec<Value> {
+    map.lock()
         .unwrap_or_else(|p| p.into_inner())
         .iter()
         .filter(|(k, _)| k.starts_with(&format!("{pool}/")))
         .map(|(_, v)| v.clone())
-        .collect();
-    Json(json!({"snapshots": snaps})).into_response()
+        .collect()
 }
 
 async fn get_snapshot(State(s): St, Path((pool, name)): Path<(String, String)>) -> Response {

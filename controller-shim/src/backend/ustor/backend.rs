@@ -37,6 +37,8 @@ struct Nbd {
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct Image {
+    #[serde(default)]
+    name: String,
     size_bytes: u64,
     #[serde(default)]
     labels: BTreeMap<String, String>,
@@ -61,7 +63,19 @@ struct Snapshots {
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct Pool {
+    #[serde(default)]
+    name: String,
     free_bytes: u64,
+}
+
+#[derive(Debug, Deserialize)]
+struct Pools {
+    pools: Vec<Pool>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Images {
+    images: Vec<Image>,
 }
 
 /// uStor's answer to a grant.
@@ -111,6 +125,7 @@ fn labels(meta: &VolumeMeta) -> Result<Value, UstorError> {
         "csi.parameters": encode(&meta.parameters)?,
         "csi.source": encode(&meta.source)?,
         "csi.published": encode(&meta.published)?,
+        "csi.mutable": encode(&meta.mutable)?,
     }))
 }
 
@@ -131,6 +146,7 @@ fn from_labels(image: &Image) -> Result<VolumeMeta, UstorError> {
         parameters: label(image, "csi.parameters")?,
         source: label(image, "csi.source")?,
         published: label(image, "csi.published")?,
+        mutable: label(image, "csi.mutable")?,
         // uStor keeps grants itself, with their tokens.
         grants: BTreeMap::new(),
     })
@@ -230,6 +246,37 @@ impl Backend for UstorBackend {
             .as_ref()
             .map(from_labels)
             .transpose()?)
+    }
+
+    /// Every pool's images that carry this driver's labels (others are not its volumes).
+    async fn volumes(&self) -> Result<Vec<(String, VolumeMeta)>, BackendError> {
+        let pools = self.get::<Pools>("/api/v1/pools").await?.map(|p| p.pools);
+        let mut out = Vec::new();
+        for pool in pools.unwrap_or_default() {
+            crate::ids::valid_pool(&pool.name)?;
+            let path = format!("/api/v1/pools/{}/images", pool.name);
+            // A pool deleted since it was listed holds nothing.
+            let images = self.get::<Images>(&path).await?.map(|i| i.images);
+            for image in images.unwrap_or_default() {
+                if image.labels.contains_key("csi.name") {
+                    out.push((
+                        format!("{}/{}", pool.name, image.name),
+                        from_labels(&image)?,
+                    ));
+                }
+            }
+        }
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(out)
+    }
+
+    /// uStor answered the image: it exists, with the size recorded (the size is uStor's).
+    async fn problem(
+        &self,
+        _key: &str,
+        _meta: &VolumeMeta,
+    ) -> Result<Option<String>, BackendError> {
+        Ok(None)
     }
 
     async fn create_volume(&self, key: &str, meta: &VolumeMeta) -> Result<(), BackendError> {

@@ -77,6 +77,12 @@ fn any_rpc() -> Vec<(Error, Code)> {
             InvalidArgument,
         ),
         (
+            RequestError::UnknownMutableParameter {
+                name: "pool".into(),
+            },
+            InvalidArgument,
+        ),
+        (
             RequestError::SnapshotParameters {
                 keys: vec!["a".into()],
             },
@@ -425,7 +431,7 @@ fn any_rpc() -> Vec<(Error, Code)> {
         .collect()
 }
 
-const EVERY_RPC: [Rpc; 11] = [
+const EVERY_RPC: [Rpc; 14] = [
     Rpc::CreateVolume,
     Rpc::DeleteVolume,
     Rpc::ControllerPublishVolume,
@@ -437,6 +443,9 @@ const EVERY_RPC: [Rpc; 11] = [
     Rpc::DeleteSnapshot,
     Rpc::ListSnapshots,
     Rpc::ControllerExpandVolume,
+    Rpc::ListVolumes,
+    Rpc::ControllerGetVolume,
+    Rpc::ControllerModifyVolume,
 ];
 
 #[test]
@@ -479,6 +488,7 @@ fn capacity_and_paging_rows_follow_the_rpc() {
     }
     let token = Error::from(RequestError::BadStartingToken { token: "9".into() });
     assert_eq!(code(Rpc::ListSnapshots, &token), Code::Aborted);
+    assert_eq!(code(Rpc::ListVolumes, &token), Code::Aborted);
     assert_eq!(code(Rpc::CreateVolume, &token), Code::InvalidArgument);
 }
 
