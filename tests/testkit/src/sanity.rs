@@ -227,6 +227,9 @@ pub struct SanityRun {
     /// Where csi-sanity makes its staging and target paths (kubelet-shaped paths are not
     /// needed: the daemon takes any absolute path).
     pub work: PathBuf,
+    /// The mutable parameters its ModifyVolume and VolumeAttributesClass specs create and
+    /// modify volumes with.
+    pub mutable_parameters: BTreeMap<String, String>,
 }
 
 impl SanityRun {
@@ -234,6 +237,11 @@ impl SanityRun {
     /// process's output, so a failing spec can be read in the test log.
     pub fn run(&self) -> Result<SanityReport, String> {
         let report = self.work.join("sanity-report.json");
+        // The suite reads them from a YAML map; JSON is YAML.
+        let mutable = self.work.join("mutable-parameters.yaml");
+        let yaml = serde_json::to_vec(&self.mutable_parameters).map_err(|e| e.to_string())?;
+        std::fs::write(&mutable, yaml)
+            .map_err(|e| format!("writing {}: {e}", mutable.display()))?;
         let status = Command::new(&self.binary)
             .arg(format!(
                 "--csi.endpoint=unix://{}",
@@ -257,6 +265,12 @@ impl SanityRun {
                 "--csi.testvolumeexpandsize={}",
                 2 * self.volume_bytes
             ))
+            .arg(format!(
+                "--csi.testvolumemutableparameters={}",
+                mutable.display()
+            ))
+            // The node reports a limit (NodeGetInfo); the spec publishes one volume past it.
+            .arg("--csi.testnodevolumeattachlimit")
             .arg(format!("--ginkgo.json-report={}", report.display()))
             .arg("--ginkgo.no-color")
             .status()
