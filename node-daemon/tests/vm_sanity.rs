@@ -31,7 +31,9 @@ const KNOWN_FAILING: &[&str] = &[
 
 async fn sanity(access_type: &str, binary: &str) {
     let (controller, _client) = ControllerProcess::start("sanity").await.unwrap();
-    let mut daemon = NodeDaemon::new("sanity-node", CONFIG).unwrap();
+    // A small attach limit: the attach-limit spec creates and publishes that many volumes.
+    let config = format!("{CONFIG}max-volumes = 8\n");
+    let mut daemon = NodeDaemon::new("sanity-node", &config).unwrap();
     let _node = daemon.start(None).await;
     let endpoint = SanityEndpoint::start(&daemon.socket, &controller.socket)
         .await
