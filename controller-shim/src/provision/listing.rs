@@ -128,26 +128,19 @@ impl Provisioner {
             return Ok(None);
         };
         let granted = self.backend.granted_nodes(image).await?;
-        let missing: Vec<&String> = now
+        let missing: Vec<&str> = now
             .published
             .keys()
             .filter(|node| !granted.contains(node))
+            .map(String::as_str)
             .collect();
         Ok((!missing.is_empty()).then(|| {
             format!(
                 "published to {} but the storage holds no grant for {}: a reconnection from \
                  there is refused until the volume is published there again, which grants anew",
-                join(&missing),
+                missing.join(", "),
                 if missing.len() == 1 { "it" } else { "them" }
             )
         }))
     }
-}
-
-fn join(nodes: &[&String]) -> String {
-    nodes
-        .iter()
-        .map(|n| n.as_str())
-        .collect::<Vec<_>>()
-        .join(", ")
 }
