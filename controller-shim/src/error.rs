@@ -1,12 +1,13 @@
 //! Everything a controller call can fail with, by where it failed: the request
 //! ([`RequestError`]), an id or name ([`IdError`]), the storage ([`BackendError`]), or the
-//! volume's or snapshot's state ([`VolumeError`], [`SnapshotError`]), or the claim a
+//! volume's, snapshot's or group snapshot's state ([`VolumeError`], [`SnapshotError`],
+//! [`GroupError`]), or the claim a
 //! ReadWriteMany block volume is for ([`ClaimError`]). The gRPC code each
 //! becomes is chosen in one table, `service::codes`.
 
 use crate::backend::BackendError;
 use crate::ids::IdError;
-use crate::provision::{ClaimError, SnapshotError, VolumeError};
+use crate::provision::{ClaimError, GroupError, SnapshotError, VolumeError};
 use crate::request::RequestError;
 
 #[derive(Debug, thiserror::Error)]
@@ -21,6 +22,8 @@ pub enum Error {
     Volume(#[from] VolumeError),
     #[error(transparent)]
     Snapshot(#[from] SnapshotError),
+    #[error(transparent)]
+    Group(#[from] GroupError),
     #[error(transparent)]
     Claim(#[from] ClaimError),
 }

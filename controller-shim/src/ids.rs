@@ -1,4 +1,5 @@
-//! Volume and snapshot ids: `<backend>:volume:<image>` and `<backend>:snapshot:<image>`.
+//! Volume, snapshot and group snapshot ids: `<backend>:volume:<image>`,
+//! `<backend>:snapshot:<image>` and `<backend>:group:<image>`.
 //! Opaque to the CO, stable, and validated when they come back: a snapshot id used as a
 //! volume id, or an id of another backend, is refused with a message that says so.
 //!
@@ -67,6 +68,8 @@ impl IdError {
 pub enum Kind {
     Volume,
     Snapshot,
+    /// A group snapshot: the record of snapshots taken together.
+    Group,
 }
 
 impl Kind {
@@ -74,6 +77,7 @@ impl Kind {
         match self {
             Kind::Volume => "volume",
             Kind::Snapshot => "snapshot",
+            Kind::Group => "group",
         }
     }
 }
@@ -100,6 +104,7 @@ impl Handle {
         let field = match kind {
             Kind::Volume => "volume_id",
             Kind::Snapshot => "snapshot_id",
+            Kind::Group => "group_snapshot_id",
         };
         if raw.is_empty() {
             return Err(IdError::Missing { field });
@@ -253,6 +258,16 @@ pub fn image_for(cluster: &str, name: &str) -> Result<String, IdError> {
         let keep = image[..image.len().min(MAX_IMAGE - 17)].trim_end_matches(['-', '.']);
         image = format!("{keep}-{:016x}", fnv1a(name));
     }
+    valid_image(&image)?;
+    Ok(image)
+}
+
+/// The image of the member of group snapshot `group` (a CSI name) taken of the volume keyed
+/// `source`: the group's image with a digest of both, so a repeated call names the same.
+pub fn member_image(cluster: &str, group: &str, source: &str) -> Result<String, IdError> {
+    let group_image = image_for(cluster, group)?;
+    let keep = group_image[..group_image.len().min(MAX_IMAGE - 17)].trim_end_matches(['-', '.']);
+    let image = format!("{keep}-{:016x}", fnv1a(&format!("{group}/{source}")));
     valid_image(&image)?;
     Ok(image)
 }

@@ -51,6 +51,8 @@ pub enum RequestError {
     UnknownMutableParameter { name: String },
     #[error("snapshot parameters are not supported (got {keys:?})")]
     SnapshotParameters { keys: Vec<String> },
+    #[error("source_volume_ids names {volume_id} more than once")]
+    DuplicateSource { volume_id: String },
     /// The driver's capability rules (shared with the node) refuse it; their words.
     #[error("{0}")]
     Capability(String),

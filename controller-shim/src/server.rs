@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use csi_proto::csi::controller_server::ControllerServer;
+use csi_proto::csi::group_controller_server::GroupControllerServer;
 use csi_proto::csi::identity_server::IdentityServer;
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::UnixListenerStream;
@@ -276,12 +277,12 @@ pub async fn serve(
         Some(cluster) => provisioner.in_cluster(cluster),
         None => provisioner,
     };
+    // One service answers both: a group snapshot and a snapshot share the image locks.
+    let controller = Arc::new(ControllerService::new(provisioner, metrics));
     tonic::transport::Server::builder()
         .add_service(IdentityServer::new(IdentityService))
-        .add_service(ControllerServer::new(ControllerService::new(
-            provisioner,
-            metrics,
-        )))
+        .add_service(ControllerServer::from_arc(Arc::clone(&controller)))
+        .add_service(GroupControllerServer::from_arc(controller))
         .serve_with_incoming_shutdown(UnixListenerStream::new(listener), stop)
         .await?;
     let _ = std::fs::remove_file(socket);

@@ -587,3 +587,167 @@ async fn volumes_are_listed_from_every_pool_and_modified_in_labels() {
         condition.message
     );
 }
+
+/// The GroupController on the CSI socket of a controller served under `dir`.
+async fn group_client(
+    dir: &tempfile::TempDir,
+) -> csi_proto::csi::group_controller_client::GroupControllerClient<Channel> {
+    let channel = wait_connect(
+        &dir.path().join("csi.sock"),
+        std::time::Duration::from_secs(10),
+    )
+    .await;
+    csi_proto::csi::group_controller_client::GroupControllerClient::new(channel)
+}
+
+fn group(name: &str, volumes: &[&str]) -> CreateVolumeGroupSnapshotRequest {
+    CreateVolumeGroupSnapshotRequest {
+        name: name.into(),
+        source_volume_ids: volumes.iter().map(|v| (*v).to_owned()).collect(),
+        parameters: Default::default(),
+    }
+}
+
+/// A group snapshot is one uStor call in the members' pool: each member an ordinary snapshot
+/// there (restorable alone), the group deleted with its members; through the connections,
+/// ids carry the connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn group_snapshots_are_one_call_in_the_members_pool() {
+    let server = FakeUstor::start().await.unwrap();
+    server.set_user("csi", "pw", None);
+    let (mut c, dir) = controller(&server, "pw").await;
+    let mut g = group_client(&dir).await;
+    let a = created_volume(&mut c, create("a", 10 * MIB, Some("data"))).await;
+    let b = created_volume(&mut c, create("b", 20 * MIB, Some("data"))).await;
+    let elsewhere = created_volume(&mut c, create("far", 10 * MIB, Some("fast"))).await;
+
+    let taken = g
+        .create_volume_group_snapshot(group("vm", &[&a.volume_id, &b.volume_id]))
+        .await
+        .unwrap()
+        .into_inner()
+        .group_snapshot
+        .unwrap();
+    assert_eq!(taken.group_snapshot_id, "ustor:group:data/test-vm");
+    let mut members: Vec<(String, String, i64)> = taken
+        .snapshots
+        .iter()
+        .map(|s| {
+            assert_eq!(s.group_snapshot_id, taken.group_snapshot_id);
+            assert!(
+                s.snapshot_id.starts_with("ustor:snapshot:data/test-vm-"),
+                "{s:?}"
+            );
+            (
+                s.snapshot_id.clone(),
+                s.source_volume_id.clone(),
+                s.size_bytes,
+            )
+        })
+        .collect();
+    members.sort_by_key(|m| m.2);
+    assert_eq!(
+        members
+            .iter()
+            .map(|m| (m.1.as_str(), m.2))
+            .collect::<Vec<_>>(),
+        [
+            (a.volume_id.as_str(), 10 * MIB),
+            (b.volume_id.as_str(), 20 * MIB)
+        ]
+    );
+    let again = g
+        .create_volume_group_snapshot(group("vm", &[&b.volume_id, &a.volume_id]))
+        .await
+        .unwrap()
+        .into_inner()
+        .group_snapshot
+        .unwrap();
+    assert_eq!(again.group_snapshot_id, taken.group_snapshot_id);
+    assert_eq!(again.snapshots.len(), 2);
+
+    let across = g
+        .create_volume_group_snapshot(group("spread", &[&a.volume_id, &elsewhere.volume_id]))
+        .await
+        .unwrap_err();
+    assert_eq!(across.code(), Code::InvalidArgument, "{across:?}");
+    assert!(across.message().contains("fast"), "{across:?}");
+
+    // A member restores alone, into its pool.
+    let mut restore = create("restored", 20 * MIB, Some("data"));
+    restore.volume_content_source = from_snapshot(&members[1].0);
+    created_volume(&mut c, restore).await;
+
+    g.delete_volume_group_snapshot(DeleteVolumeGroupSnapshotRequest {
+        group_snapshot_id: taken.group_snapshot_id.clone(),
+        snapshot_ids: members.iter().map(|m| m.0.clone()).collect(),
+    })
+    .await
+    .unwrap();
+    let left = c
+        .list_snapshots(ListSnapshotsRequest {
+            source_volume_id: a.volume_id.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .entries;
+    assert!(left.is_empty(), "{left:?}");
+    let gone = g
+        .get_volume_group_snapshot(GetVolumeGroupSnapshotRequest {
+            group_snapshot_id: taken.group_snapshot_id.clone(),
+            snapshot_ids: vec![],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(gone.code(), Code::NotFound, "{gone:?}");
+
+    // Through the connections: the same call, ids with the connection.
+    let (mut c, dir) = connections_controller(&server).await;
+    let mut g = group_client(&dir).await;
+    let in_main = |name: &str| {
+        let mut request = create(name, 10 * MIB, Some("data"));
+        request
+            .parameters
+            .insert("connection".to_owned(), "main".to_owned());
+        request
+    };
+    let x = created_volume(&mut c, in_main("x")).await;
+    let y = created_volume(&mut c, in_main("y")).await;
+    let taken = g
+        .create_volume_group_snapshot(group("pair", &[&x.volume_id, &y.volume_id]))
+        .await
+        .unwrap()
+        .into_inner()
+        .group_snapshot
+        .unwrap();
+    assert_eq!(taken.group_snapshot_id, "ustor:group:main/data/test-pair");
+    let got = g
+        .get_volume_group_snapshot(GetVolumeGroupSnapshotRequest {
+            group_snapshot_id: taken.group_snapshot_id.clone(),
+            snapshot_ids: taken
+                .snapshots
+                .iter()
+                .map(|s| s.snapshot_id.clone())
+                .collect(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .group_snapshot
+        .unwrap();
+    let ids = |g: &VolumeGroupSnapshot| {
+        let mut v: Vec<_> = g
+            .snapshots
+            .iter()
+            .map(|s| (s.snapshot_id.clone(), s.group_snapshot_id.clone()))
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(ids(&got), ids(&taken));
+    assert!(ids(&got)
+        .iter()
+        .all(|(s, g)| s.starts_with("ustor:snapshot:main/data/") && g == &taken.group_snapshot_id));
+}

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use super::ustor::api::UstorApi;
 use super::ustor::backend::UstorBackend;
-use super::{Backend, BackendError, GrantToken, SnapshotMeta, VolumeMeta};
+use super::{Backend, BackendError, GrantToken, GroupSnapshotMeta, SnapshotMeta, VolumeMeta};
 use crate::ids::valid_connection;
 
 /// Why a call found no uStor connection to go to.
@@ -30,6 +30,10 @@ pub enum ConnectionError {
          a clone or restore stays on its source's connection"
     )]
     SourceElsewhere { source_key: String, key: String },
+    #[error(
+        "the volumes of a group snapshot must be on one MindUstorStorageConnection; these are on {connections:?}"
+    )]
+    GroupAcrossConnections { connections: Vec<String> },
 }
 
 /// The StorageClass parameter naming the connection.
@@ -294,6 +298,63 @@ impl Backend for ConnectionsBackend {
             .collect())
     }
 
+    /// On the members' one connection (keys without one are the oldest's).
+    fn group_key(&self, image: &str, sources: &[&str]) -> Result<String, BackendError> {
+        let mut connections: Vec<String> = sources
+            .iter()
+            .map(|k| split(&self.source_key(k)).0.unwrap_or_default().to_owned())
+            .collect();
+        connections.sort();
+        connections.dedup();
+        let [connection] = connections.as_slice() else {
+            return Err(ConnectionError::GroupAcrossConnections { connections }.into());
+        };
+        let (_, backend) = self.serving(Some(connection))?;
+        let inner: Vec<&str> = sources.iter().map(|k| split(k).1).collect();
+        let key = backend.group_key(image, &inner)?;
+        Ok(format!("{connection}/{key}"))
+    }
+
+    async fn group_snapshot(&self, key: &str) -> Result<Option<GroupSnapshotMeta>, BackendError> {
+        let (connection, rest) = split(key);
+        let (backend, _) = self.route(key)?;
+        Ok(backend.group_snapshot(rest).await?.map(|mut g| {
+            if let Some(c) = connection {
+                g.name = format!("{c}/{}", g.name);
+                g.members = g
+                    .members
+                    .into_iter()
+                    .map(|(s, v)| (format!("{c}/{s}"), format!("{c}/{v}")))
+                    .collect();
+            }
+            g
+        }))
+    }
+
+    async fn create_group_snapshot(
+        &self,
+        key: &str,
+        meta: &GroupSnapshotMeta,
+        members: &[(String, SnapshotMeta)],
+    ) -> Result<(), BackendError> {
+        let (backend, rest) = self.route(key)?;
+        let members: Vec<_> = members
+            .iter()
+            .map(|(snapshot, m)| {
+                let mut m = m.clone();
+                m.source_image = split(&m.source_image).1.to_owned();
+                m.group = m.group.as_deref().map(|g| split(g).1.to_owned());
+                (split(snapshot).1.to_owned(), m)
+            })
+            .collect();
+        backend.create_group_snapshot(rest, meta, &members).await
+    }
+
+    async fn delete_group_snapshot(&self, key: &str) -> Result<(), BackendError> {
+        let (backend, rest) = self.route(key)?;
+        backend.delete_group_snapshot(rest).await
+    }
+
     async fn capacity(
         &self,
         parameters: &BTreeMap<String, String>,
@@ -309,6 +370,7 @@ fn prefixed(connection: Option<&str>, mut meta: SnapshotMeta) -> SnapshotMeta {
     if let Some(c) = connection {
         meta.name = format!("{c}/{}", meta.name);
         meta.source_image = format!("{c}/{}", meta.source_image);
+        meta.group = meta.group.map(|g| format!("{c}/{g}"));
     }
     meta
 }

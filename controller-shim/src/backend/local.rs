@@ -4,8 +4,9 @@
 //! ```text
 //! <dir>/images/<image>        volume data, dialed as nbd://host:port/<image>@<grant token>
 //! <dir>/snapshots/<image>     snapshot data (not exported)
-//! <dir>/meta/<kind>-<image>.json   what was asked for, publications, grants
+//! <dir>/meta/<kind>-<image>.json   what was asked for, publications, grants; group records
 //! <dir>/run/nbdkit{,-ro}.sock  nbdkit's sockets (writable, read-only), only for the gate
+//! <dir>/run/nbdkit-pause.sock  the writable nbdkit's pause control
 //! ```
 //!
 //! Grants are kept with the volume's metadata; the export server's gate reads them there for
@@ -14,11 +15,13 @@
 //!
 //! Snapshots and clones are reflink copies where the filesystem supports them (FICLONE), and
 //! sparse copies otherwise: either way an independent file, so deleting a volume never
-//! invalidates its snapshots and restoring never changes the snapshot.
+//! invalidates its snapshots and restoring never changes the snapshot. A snapshot, or every
+//! member of a group snapshot, is copied while the export server holds all writes
+//! ([`WriteHold`]): a copy is of one point in time, not torn by writes landing during it.
 
 use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
-use std::io::{Read, Write};
+use std::io::Write;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -28,8 +31,11 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use super::grants::NoRandom;
-use super::{Backend, BackendError, Grant, GrantToken, SnapshotMeta, Source, VolumeMeta};
+use super::{
+    Backend, BackendError, Grant, GrantToken, GroupSnapshotMeta, SnapshotMeta, Source, VolumeMeta,
+};
 use crate::exports::gate::GrantLookup;
+use crate::exports::pause::{HoldError, WriteHold};
 use crate::exports::sessions::Sessions;
 
 /// A step of the local backend that failed, with the file it was about.
@@ -69,6 +75,8 @@ pub enum LocalError {
         path: PathBuf,
         source: nix::errno::Errno,
     },
+    #[error(transparent)]
+    Hold(#[from] HoldError),
     #[error("backend: grant of {image} to {node}: {source}")]
     Token {
         image: String,
@@ -99,6 +107,8 @@ pub struct LocalBackend {
     export_address: String,
     /// The export server's open connections, by grant.
     sessions: Arc<Sessions>,
+    /// The export server's writes, held while snapshots are copied.
+    writes: Arc<WriteHold>,
 }
 
 impl LocalBackend {
@@ -116,6 +126,7 @@ impl LocalBackend {
             root: root.to_owned(),
             export_address: export_address.to_owned(),
             sessions: Arc::default(),
+            writes: Arc::new(WriteHold::new(run.join("nbdkit-pause.sock"))),
         })
     }
 
@@ -132,6 +143,51 @@ impl LocalBackend {
     /// The export server's open connections, by grant.
     pub fn sessions(&self) -> Arc<Sessions> {
         Arc::clone(&self.sessions)
+    }
+
+    /// The writable export server's pause control.
+    pub fn write_hold(&self) -> Arc<WriteHold> {
+        Arc::clone(&self.writes)
+    }
+
+    /// Copies each `(snapshot, meta)` from its source volume and records it, every copy made
+    /// while no write reaches any image. All or none: copies made before a failure are
+    /// removed again.
+    async fn copy_at_one_point(
+        &self,
+        members: Vec<(String, SnapshotMeta)>,
+    ) -> Result<(), LocalError> {
+        let held = self.writes.hold().await?;
+        let this = self.clone();
+        let copied = blocking(move || {
+            let mut done: Vec<&str> = Vec::new();
+            for (image, meta) in &members {
+                let copy = copy_image(
+                    &this.image_path(&meta.source_image),
+                    &this.snapshot_path(image),
+                    meta.size,
+                );
+                if let Err(e) = copy {
+                    for image in done {
+                        let _ = Self::remove(&this.snapshot_path(image));
+                    }
+                    return Err(e);
+                }
+                done.push(image);
+            }
+            Ok(members)
+        })
+        .await;
+        held.release().await;
+        // The records are written once writes flow again: the data is what had to be held.
+        let this = self.clone();
+        blocking(move || {
+            for (image, meta) in &copied? {
+                this.write_meta("snapshot", image, meta)?;
+            }
+            Ok(())
+        })
+        .await
     }
 
     /// The grants stored with `image`'s metadata (none without it).
@@ -283,21 +339,41 @@ fn reflink(src: &File, dst: &File) -> bool {
     rc == 0
 }
 
+/// Copies the data extents only (SEEK_DATA/SEEK_HOLE: a hole is never read), and within them
+/// skips blocks of zeros, so the copy stays sparse and a mostly empty image copies fast (the
+/// export server's writes are held meanwhile).
 fn sparse_copy(src: &File, dst: &File) -> std::io::Result<()> {
-    let mut reader = src;
+    use nix::unistd::{lseek, Whence};
+    let len = src.metadata()?.len();
     let mut buf = vec![0u8; 1 << 20];
     let mut offset = 0u64;
-    loop {
-        let n = reader.read(&mut buf)?;
-        if n == 0 {
-            break;
+    while offset < len {
+        let at = i64::try_from(offset).map_err(std::io::Error::other)?;
+        let data = match lseek(src, at, Whence::SeekData) {
+            Ok(d) => u64::try_from(d).map_err(std::io::Error::other)?,
+            // No data past `offset`: the rest is a hole.
+            Err(nix::errno::Errno::ENXIO) => break,
+            Err(e) => return Err(e.into()),
+        };
+        let data_at = i64::try_from(data).map_err(std::io::Error::other)?;
+        let hole = u64::try_from(lseek(src, data_at, Whence::SeekHole)?)
+            .map_err(std::io::Error::other)?
+            .min(len);
+        let mut at = data;
+        while at < hole {
+            let want = usize::try_from((hole - at).min(buf.len() as u64)).unwrap_or(buf.len());
+            let n = src.read_at(&mut buf[..want], at)?;
+            if n == 0 {
+                break;
+            }
+            if buf[..n].iter().any(|b| *b != 0) {
+                dst.write_all_at(&buf[..n], at)?;
+            }
+            at += n as u64;
         }
-        if buf[..n].iter().any(|b| *b != 0) {
-            dst.write_all_at(&buf[..n], offset)?;
-        }
-        offset += n as u64;
+        offset = hole.max(at);
     }
-    dst.set_len(offset)?;
+    dst.set_len(len)?;
     Ok(())
 }
 
@@ -429,18 +505,9 @@ impl Backend for LocalBackend {
     }
 
     async fn create_snapshot(&self, image: &str, meta: &SnapshotMeta) -> Result<(), BackendError> {
-        let this = self.clone();
-        let (image, meta) = (image.to_owned(), meta.clone());
-        blocking(move || {
-            copy_image(
-                &this.image_path(&meta.source_image),
-                &this.snapshot_path(&image),
-                meta.size,
-            )?;
-            this.write_meta("snapshot", &image, &meta)
-        })
-        .await?;
-        Ok(())
+        Ok(self
+            .copy_at_one_point(vec![(image.to_owned(), meta.clone())])
+            .await?)
     }
 
     async fn delete_snapshot(&self, image: &str) -> Result<(), BackendError> {
@@ -457,6 +524,26 @@ impl Backend for LocalBackend {
 
     async fn volumes(&self) -> Result<Vec<(String, VolumeMeta)>, BackendError> {
         Ok(self.all_meta("volume")?)
+    }
+
+    async fn group_snapshot(&self, key: &str) -> Result<Option<GroupSnapshotMeta>, BackendError> {
+        Ok(self.read_meta("group", key)?)
+    }
+
+    /// The members first, then the record: a crash between leaves members without a group,
+    /// which the repeated call (the CO retries until it has an answer) copies anew over them.
+    async fn create_group_snapshot(
+        &self,
+        key: &str,
+        meta: &GroupSnapshotMeta,
+        members: &[(String, SnapshotMeta)],
+    ) -> Result<(), BackendError> {
+        self.copy_at_one_point(members.to_vec()).await?;
+        Ok(self.write_meta("group", key, meta)?)
+    }
+
+    async fn delete_group_snapshot(&self, key: &str) -> Result<(), BackendError> {
+        Ok(Self::remove(&self.meta_path("group", key))?)
     }
 
     async fn problem(

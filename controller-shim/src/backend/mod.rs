@@ -76,6 +76,20 @@ pub struct SnapshotMeta {
     pub size: u64,
     /// Seconds since the Unix epoch.
     pub created: i64,
+    /// The key of the group snapshot it was taken with, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<String>,
+}
+
+/// A group snapshot: snapshots of several volumes, taken at one point in time. Each member is
+/// also an ordinary snapshot, restorable alone.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupSnapshotMeta {
+    pub name: String,
+    /// Each member's snapshot key → the key of the volume it was taken of.
+    pub members: BTreeMap<String, String>,
+    /// Seconds since the Unix epoch.
+    pub created: i64,
 }
 
 #[tonic::async_trait]
@@ -162,6 +176,23 @@ pub trait Backend: Send + Sync + fmt::Debug {
         &self,
         near: Option<&str>,
     ) -> Result<Vec<(String, SnapshotMeta)>, BackendError>;
+
+    /// Where a group snapshot of the volumes keyed `sources` lives (uStor: in their pool, and
+    /// they must share one).
+    fn group_key(&self, image: &str, _sources: &[&str]) -> Result<String, BackendError> {
+        Ok(image.to_owned())
+    }
+    async fn group_snapshot(&self, key: &str) -> Result<Option<GroupSnapshotMeta>, BackendError>;
+    /// Takes the snapshots `members` (each with its source volume and `key` as its group)
+    /// at one point in time, then records `meta`. All or none: a failure leaves no member.
+    async fn create_group_snapshot(
+        &self,
+        key: &str,
+        meta: &GroupSnapshotMeta,
+        members: &[(String, SnapshotMeta)],
+    ) -> Result<(), BackendError>;
+    /// Removes the group's record; the caller deletes its members first. Idempotent.
+    async fn delete_group_snapshot(&self, key: &str) -> Result<(), BackendError>;
 
     /// Bytes available for new volumes with these StorageClass parameters (a pool), if the
     /// backend can tell.

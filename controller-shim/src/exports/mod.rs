@@ -7,9 +7,11 @@
 //! - [`gate`]: one connection's handshake, checked and relayed;
 //! - [`upstream`]: its connection to the nbdkit instance its grant is served by;
 //! - [`wire`]: the framing of handshake options and replies;
-//! - [`sessions`]: the open connections of each grant, which a revoke cuts.
+//! - [`sessions`]: the open connections of each grant, which a revoke cuts;
+//! - [`pause`]: the writable nbdkit's pause filter, which holds writes for snapshots.
 
 pub mod gate;
+pub mod pause;
 pub mod sessions;
 pub mod upstream;
 pub mod wire;
@@ -26,6 +28,7 @@ use tokio::task::JoinSet;
 use crate::backend::local::LocalBackend;
 use crate::metrics::GateMetrics;
 use gate::Gate;
+use pause::WriteHold;
 use upstream::Sockets;
 
 #[derive(Debug, Clone)]
@@ -52,16 +55,25 @@ impl ExportServer {
             metrics: self.metrics,
             upstreams: sockets.clone(),
         });
+        let writes = self.backend.write_hold();
         tokio::join!(
-            nbdkit(images.clone(), sockets.writable, false),
-            nbdkit(images, sockets.read_only, true),
+            nbdkit(images.clone(), sockets.writable, Some(&writes)),
+            nbdkit(images, sockets.read_only, None),
             serve(gate, self.listen)
         );
     }
 }
 
-async fn nbdkit(images: PathBuf, socket: PathBuf, read_only: bool) {
+/// Runs one nbdkit, again after each exit: the writable one (`writes` given) with the pause
+/// filter its snapshots hold writes with, the read-only one without (it writes nothing).
+async fn nbdkit(images: PathBuf, socket: PathBuf, writes: Option<&WriteHold>) {
+    let read_only = writes.is_none();
     loop {
+        // No hold may find this nbdkit running before it can be paused.
+        let starting = match writes {
+            Some(w) => Some(w.starting().await),
+            None => None,
+        };
         // A socket left by an nbdkit that did not exit cleanly would keep the next from binding.
         let _ = std::fs::remove_file(&socket);
         let mut cmd = Command::new("nbdkit");
@@ -69,15 +81,31 @@ async fn nbdkit(images: PathBuf, socket: PathBuf, read_only: bool) {
         if read_only {
             cmd.arg("--readonly");
         }
+        if let Some(w) = writes {
+            let _ = std::fs::remove_file(w.socket());
+            cmd.arg("--filter=pause");
+        }
         cmd.arg("-U")
             .arg(&socket)
             .arg("file")
-            .arg(format!("dir={}", images.display()))
-            .kill_on_drop(true);
+            .arg(format!("dir={}", images.display()));
+        if let Some(w) = writes {
+            cmd.arg(format!("pause-control={}", w.socket().display()));
+        }
+        cmd.kill_on_drop(true);
         match cmd.spawn() {
             Ok(mut child) => {
+                if let (Some(starting), Some(pid)) = (starting, child.id()) {
+                    let pid = i32::try_from(pid).unwrap_or(i32::MAX);
+                    if !starting.started(pid).await {
+                        tracing::error!(socket = %socket.display(), "nbdkit did not open its pause control; restarting it");
+                    }
+                }
                 tracing::info!(socket = %socket.display(), images = %images.display(), read_only, "nbdkit started");
                 let status = child.wait().await;
+                if let Some(w) = writes {
+                    w.stopped().await;
+                }
                 tracing::warn!(?status, "nbdkit exited; restarting");
             }
             Err(e) => tracing::error!(error = %e, "cannot start nbdkit"),

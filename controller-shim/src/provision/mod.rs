@@ -6,10 +6,12 @@
 //! - [`volumes`]: create, delete, expand, modify, validate capabilities, capacity;
 //! - [`publish`]: ControllerPublish/Unpublish bookkeeping and the node check;
 //! - [`snapshots`]: create, delete, list;
+//! - [`groups`]: group snapshots, whose members are taken at one point in time;
 //! - [`listing`]: ListVolumes and ControllerGetVolume, with each volume's condition;
 //! - [`claims`]: the claim check of a ReadWriteMany block volume.
 
 pub mod claims;
+pub mod groups;
 pub mod listing;
 pub mod publish;
 pub mod snapshots;
@@ -25,6 +27,7 @@ use csi_proto::csi::{Snapshot, Topology, Volume, VolumeContentSource};
 use crate::backend::{Backend, BackendError, SnapshotMeta, Source, VolumeMeta};
 use crate::ids::{Handle, IdError, Kind};
 pub use claims::{ClaimError, Claims};
+pub use groups::GroupError;
 pub use publish::Nodes;
 pub use snapshots::SnapshotError;
 pub use volumes::VolumeError;
@@ -63,6 +66,14 @@ fn volume_lock(image: &str) -> String {
 /// The lock key of a snapshot's image.
 fn snapshot_lock(image: &str) -> String {
     format!("s:{image}")
+}
+
+/// Now, in seconds since the Unix epoch, as snapshot records keep it.
+fn now_seconds() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
+        .unwrap_or_default()
 }
 
 impl Provisioner {
@@ -169,7 +180,11 @@ impl Provisioner {
                 nanos: 0,
             }),
             ready_to_use: true,
-            group_snapshot_id: String::new(),
+            group_snapshot_id: meta
+                .group
+                .as_ref()
+                .map(|g| Handle::new(backend, Kind::Group, g.clone()).to_string())
+                .unwrap_or_default(),
         }
     }
 }

@@ -2,7 +2,7 @@
 
 use csi_proto::csi::*;
 
-use super::{snapshot_lock, volume_lock, Provisioner};
+use super::{now_seconds, snapshot_lock, volume_lock, Provisioner};
 use crate::backend::SnapshotMeta;
 use crate::error::Error;
 use crate::ids::{image_for, Handle};
@@ -34,8 +34,9 @@ impl Provisioner {
             .lock_all(&[snapshot_lock(&image), volume_lock(&source.image)])
             .await;
         if let Some(existing) = self.backend.snapshot(&image).await? {
-            // The snapshot's image is derived from its name, so the name matches already.
-            if existing.source_image != source.image {
+            // The snapshot's image is derived from its name, so the name matches already;
+            // a member of a group snapshot under that image is not this call's.
+            if existing.source_image != source.image || existing.group.is_some() {
                 return Err(SnapshotError::Clash { name: r.name }.into());
             }
             return Ok(CreateSnapshotResponse {
@@ -47,10 +48,8 @@ impl Provisioner {
             name: r.name,
             source_image: source.image.clone(),
             size: volume.size,
-            created: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
-                .unwrap_or_default(),
+            created: now_seconds(),
+            group: None,
         };
         self.backend.create_snapshot(&image, &meta).await?;
         tracing::info!(%image, source = %source.image, "snapshot created");

@@ -17,7 +17,7 @@ use crate::backend::ustor::login::Refusal;
 use crate::backend::BackendError;
 use crate::error::Error;
 use crate::ids::IdError;
-use crate::provision::{ClaimError, SnapshotError, VolumeError};
+use crate::provision::{ClaimError, GroupError, SnapshotError, VolumeError};
 use crate::request::RequestError;
 
 /// The answer of `rpc` that failed with `error`: its code and the error's message.
@@ -32,6 +32,7 @@ pub fn code(rpc: Rpc, error: &Error) -> Code {
         Error::Backend(e) => backend_code(e),
         Error::Volume(e) => volume(e),
         Error::Snapshot(e) => snapshot(e),
+        Error::Group(e) => group(e),
         Error::Claim(e) => claim(e),
     }
 }
@@ -58,6 +59,7 @@ fn request(rpc: Rpc, e: &RequestError) -> Code {
             | R::BadConnectionCount { .. }
             | R::UnknownMutableParameter { .. }
             | R::SnapshotParameters { .. }
+            | R::DuplicateSource { .. }
             | R::Capability(_)
             | R::Filesystem { .. }
             | R::NegativeMaxEntries
@@ -108,6 +110,19 @@ fn snapshot(e: &SnapshotError) -> Code {
     }
 }
 
+fn group(e: &GroupError) -> Code {
+    match e {
+        // Spec, GetVolumeGroupSnapshot: "Volume group snapshot does not exist".
+        GroupError::Missing { .. } => Code::NotFound,
+        // Spec, CreateVolumeGroupSnapshot: "Group snapshot already exists but is
+        // incompatible".
+        GroupError::Clash { .. } | GroupError::MemberTaken { .. } => Code::AlreadyExists,
+        // Spec, Delete- and GetVolumeGroupSnapshot: a mismatch in snapshot_ids is
+        // INVALID_ARGUMENT.
+        GroupError::NotMember { .. } => Code::InvalidArgument,
+    }
+}
+
 /// The claim of a ReadWriteMany block volume. The spec names no code for a caller the
 /// driver does not serve; the request is valid (the capability is one the driver offers), and
 /// what it lacks is a state outside it: the claim's admission, which the webhook gives when a
@@ -140,6 +155,8 @@ fn local(e: &LocalError) -> Code {
     match e {
         LocalError::NoSpace { .. } => Code::ResourceExhausted,
         LocalError::NoMetadata { .. } => Code::NotFound,
+        // The export server could not pause (restarting, or slow to drain): retried.
+        LocalError::Hold(_) => Code::Unavailable,
         LocalError::Io { .. }
         | LocalError::BadMetadata { .. }
         | LocalError::EncodeMetadata { .. }
@@ -171,9 +188,9 @@ pub fn ustor_code(e: &UstorError) -> Code {
         UstorError::LoginRefused { .. } => Code::Unauthenticated,
         UstorError::Credentials(e) => credentials(e),
         UstorError::CaCertificate(_) => Code::FailedPrecondition,
-        UstorError::KeyWithoutPool { .. } | UstorError::SourceInOtherPool { .. } => {
-            Code::InvalidArgument
-        }
+        UstorError::KeyWithoutPool { .. }
+        | UstorError::SourceInOtherPool { .. }
+        | UstorError::GroupAcrossPools { .. } => Code::InvalidArgument,
         UstorError::ImageMissing { .. } => Code::NotFound,
         UstorError::BadAnswer { .. }
         | UstorError::LoginAnswer(_)
@@ -197,7 +214,8 @@ fn connection(e: &ConnectionError) -> Code {
         ConnectionError::NoneExists | ConnectionError::Unknown { .. } => Code::FailedPrecondition,
         // Being checked or refused: the sidecar retries.
         ConnectionError::NotUsable { .. } => Code::Unavailable,
-        ConnectionError::SourceElsewhere { .. } => Code::InvalidArgument,
+        ConnectionError::SourceElsewhere { .. }
+        | ConnectionError::GroupAcrossConnections { .. } => Code::InvalidArgument,
     }
 }
 

@@ -27,15 +27,16 @@ pub struct ControllerService {
 
 /// What a request is about, for its span: the ids and names it carries (empty when none).
 #[derive(Debug, Default, Clone, Copy)]
-struct About<'a> {
-    name: &'a str,
-    volume_id: &'a str,
-    snapshot_id: &'a str,
-    node: &'a str,
+pub(super) struct About<'a> {
+    pub name: &'a str,
+    pub volume_id: &'a str,
+    pub snapshot_id: &'a str,
+    pub group_snapshot_id: &'a str,
+    pub node: &'a str,
 }
 
 /// A request that names what it is about.
-trait Subject {
+pub(super) trait Subject {
     fn about(&self) -> About<'_>;
 }
 
@@ -54,7 +55,7 @@ impl ControllerService {
     /// (tonic drops the handler at the deadline): an unpublish dropped mid-way would release
     /// the image's lock with its revoke half done, and a publish with its grant made but not
     /// recorded. The retry waits for the image's lock and finds the work finished.
-    async fn call<R: Subject, T, F>(
+    pub(super) async fn call<R: Subject, T, F>(
         &self,
         rpc: Rpc,
         request: Request<R>,
@@ -72,12 +73,14 @@ impl ControllerService {
             name = Empty,
             volume_id = Empty,
             snapshot_id = Empty,
+            group_snapshot_id = Empty,
             node = Empty
         );
         for (field, value) in [
             ("name", about.name),
             ("volume_id", about.volume_id),
             ("snapshot_id", about.snapshot_id),
+            ("group_snapshot_id", about.group_snapshot_id),
             ("node", about.node),
         ] {
             if !value.is_empty() {
@@ -135,7 +138,7 @@ fn capability_of(rpc: RpcCap) -> ControllerServiceCapability {
 }
 
 impl<'a> About<'a> {
-    fn named(name: &'a str) -> Self {
+    pub(super) fn named(name: &'a str) -> Self {
         Self {
             name,
             ..Self::default()

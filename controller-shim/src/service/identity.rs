@@ -1,5 +1,5 @@
-//! CSI Identity of the controller: the same plugin name as the node, with the controller
-//! service and topology constraints.
+//! CSI Identity of the controller: the same plugin name as the node, with the controller and
+//! group controller services and topology constraints.
 
 use csi_proto::csi::identity_server::Identity;
 use csi_proto::csi::plugin_capability::service::Type as ServiceType;
@@ -38,6 +38,7 @@ impl Identity for IdentityService {
         Ok(Response::new(GetPluginCapabilitiesResponse {
             capabilities: vec![
                 service(ServiceType::ControllerService),
+                service(ServiceType::GroupControllerService),
                 service(ServiceType::VolumeAccessibilityConstraints),
             ],
         }))

@@ -1,6 +1,6 @@
 //! The controller's RPCs, by the names the spec, the logs and the metrics use.
 
-/// One RPC of the CSI Controller service.
+/// One RPC of the CSI Controller or GroupController service.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Rpc {
     CreateVolume,
@@ -17,6 +17,10 @@ pub enum Rpc {
     ListVolumes,
     ControllerGetVolume,
     ControllerModifyVolume,
+    GroupControllerGetCapabilities,
+    CreateVolumeGroupSnapshot,
+    DeleteVolumeGroupSnapshot,
+    GetVolumeGroupSnapshot,
 }
 
 impl Rpc {
@@ -36,6 +40,10 @@ impl Rpc {
             Rpc::ListVolumes => "ListVolumes",
             Rpc::ControllerGetVolume => "ControllerGetVolume",
             Rpc::ControllerModifyVolume => "ControllerModifyVolume",
+            Rpc::GroupControllerGetCapabilities => "GroupControllerGetCapabilities",
+            Rpc::CreateVolumeGroupSnapshot => "CreateVolumeGroupSnapshot",
+            Rpc::DeleteVolumeGroupSnapshot => "DeleteVolumeGroupSnapshot",
+            Rpc::GetVolumeGroupSnapshot => "GetVolumeGroupSnapshot",
         }
     }
 }

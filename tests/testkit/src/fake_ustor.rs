@@ -23,6 +23,8 @@ struct Inner {
     tokens: Mutex<Vec<String>>,
     images: Mutex<HashMap<String, Value>>,
     snapshots: Mutex<HashMap<String, Value>>,
+    /// Group snapshot records, keyed `<pool>/<name>`.
+    groups: Mutex<HashMap<String, Value>>,
     /// Image key → node → its grant. It serves no NBD, so a revoke has nothing to cut.
     grants: Mutex<HashMap<String, BTreeMap<String, FakeGrant>>>,
     logins: AtomicUsize,
@@ -75,6 +77,11 @@ impl FakeUstor {
                 put(put_grant).delete(delete_grant),
             )
             .route("/api/v1/pools/{pool}/snapshots", get(list_snapshots))
+            .route("/api/v1/pools/{pool}/snapshot-groups", post(create_group))
+            .route(
+                "/api/v1/pools/{pool}/snapshot-groups/{name}",
+                get(get_group).delete(delete_group),
+            )
             .route(
                 "/api/v1/pools/{pool}/snapshots/{name}",
                 get(get_snapshot).delete(delete_snapshot),
@@ -416,6 +423,59 @@ async fn create_snapshot(
     let snap = json!({"name": name, "image": image, "sizeBytes": source["sizeBytes"], "createdAt": "2026-11-29T00:00:00Z"});
     snaps.insert(key, snap.clone());
     (StatusCode::CREATED, Json(snap)).into_response()
+}
+
+/// All members or none, under the image and snapshot locks at once: nothing changes an image
+/// between two members' snapshots (the fake holds no data, so this is all there is to hold).
+async fn create_group(State(s): St, Path(pool): Path<String>, Json(body): Json<Value>) -> Response {
+    let name = body["name"].as_str().unwrap_or_default().to_owned();
+    let members = body["members"].as_array().cloned().unwrap_or_default();
+    if name.is_empty() || members.is_empty() {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "InvalidArgument",
+            "name and members are required",
+        );
+    }
+    let images = s.images.lock().unwrap_or_else(|p| p.into_inner());
+    let mut snaps = s.snapshots.lock().unwrap_or_else(|p| p.into_inner());
+    let mut groups = s.groups.lock().unwrap_or_else(|p| p.into_inner());
+    if groups.contains_key(&format!("{pool}/{name}")) {
+        return error(StatusCode::CONFLICT, "AlreadyExists", "group exists");
+    }
+    let mut taken = Vec::new();
+    for m in &members {
+        let (Some(snapshot), Some(image)) = (m["snapshot"].as_str(), m["image"].as_str()) else {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "InvalidArgument",
+                "a member needs snapshot and image",
+            );
+        };
+        let Some(source) = images.get(&format!("{pool}/{image}")) else {
+            return error(StatusCode::NOT_FOUND, "NotFound", "no such image");
+        };
+        if snaps.contains_key(&format!("{pool}/{snapshot}")) {
+            return error(StatusCode::CONFLICT, "AlreadyExists", "snapshot exists");
+        }
+        taken.push((
+            format!("{pool}/{snapshot}"),
+            json!({"name": snapshot, "image": image, "sizeBytes": source["sizeBytes"],
+                   "createdAt": "2026-11-29T00:00:00Z", "group": name}),
+        ));
+    }
+    snaps.extend(taken);
+    let group = json!({"name": name, "members": members, "createdAt": "2026-11-29T00:00:00Z"});
+    groups.insert(format!("{pool}/{name}"), group.clone());
+    (StatusCode::CREATED, Json(group)).into_response()
+}
+
+async fn get_group(State(s): St, Path((pool, name)): Path<(String, String)>) -> Response {
+    fetch(&s.groups, &format!("{pool}/{name}"), "group")
+}
+
+async fn delete_group(State(s): St, Path((pool, name)): Path<(String, String)>) -> Response {
+    take(&s.groups, &format!("{pool}/{name}"), "group")
 }
 
 async fn list_snapshots(State(s): St, Path(pool): Path<String>) -> Response {

@@ -32,6 +32,16 @@ pub fn binary_from_env(env: &str, name: &str) -> std::path::PathBuf {
         .unwrap_or_else(|| name.into())
 }
 
+/// Writes `data` at `offset` of the existing file `path`, panicking with the path on failure.
+pub fn write_at(path: &std::path::Path, offset: u64, data: &[u8]) {
+    use std::os::unix::fs::FileExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .and_then(|f| f.write_all_at(data, offset))
+        .unwrap_or_else(|e| panic!("write {} at {offset}: {e}", path.display()));
+}
+
 /// `len` bytes of the file at `path` from `offset`, read through the page cache.
 pub fn read_at(path: &std::path::Path, offset: u64, len: usize) -> Vec<u8> {
     use std::os::unix::fs::FileExt;

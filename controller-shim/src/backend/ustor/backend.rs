@@ -11,7 +11,9 @@ use serde_json::{json, Value};
 
 use super::api::UstorApi;
 use super::error::UstorError;
-use crate::backend::{Backend, BackendError, GrantToken, SnapshotMeta, Source, VolumeMeta};
+use crate::backend::{
+    Backend, BackendError, GrantToken, GroupSnapshotMeta, SnapshotMeta, Source, VolumeMeta,
+};
 
 /// Sizes are whole MiB (the smallest allocation unit assumed for uStor).
 const GRANULARITY: u64 = 1 << 20;
@@ -51,6 +53,25 @@ struct Snapshot {
     name: String,
     image: String,
     size_bytes: u64,
+    #[serde(default)]
+    created_at: String,
+    /// The group it was taken with, if any.
+    #[serde(default)]
+    group: Option<String>,
+}
+
+/// One snapshot of a group, as it was taken: uStor keeps the list when a member is deleted.
+#[derive(Debug, Deserialize)]
+struct GroupMember {
+    snapshot: String,
+    image: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct SnapshotGroup {
+    name: String,
+    members: Vec<GroupMember>,
     #[serde(default)]
     created_at: String,
 }
@@ -416,6 +437,59 @@ impl Backend for UstorBackend {
         Ok(out)
     }
 
+    fn group_key(&self, image: &str, sources: &[&str]) -> Result<String, BackendError> {
+        let mut pools: Vec<String> = sources
+            .iter()
+            .map(|k| split(k).map(|(pool, _)| pool.to_owned()))
+            .collect::<Result<_, _>>()?;
+        pools.sort();
+        pools.dedup();
+        match pools.as_slice() {
+            [pool] => Ok(format!("{pool}/{image}")),
+            _ => Err(UstorError::GroupAcrossPools { pools }.into()),
+        }
+    }
+
+    async fn group_snapshot(&self, key: &str) -> Result<Option<GroupSnapshotMeta>, BackendError> {
+        let (pool, name) = split(key)?;
+        let group: Option<SnapshotGroup> = self
+            .get(&format!("/api/v1/pools/{pool}/snapshot-groups/{name}"))
+            .await?;
+        Ok(group.map(|g| group_meta(pool, g)))
+    }
+
+    /// One call: uStor holds the writes of every member image while it takes their snapshots,
+    /// and takes all of them or none.
+    async fn create_group_snapshot(
+        &self,
+        key: &str,
+        _meta: &GroupSnapshotMeta,
+        members: &[(String, SnapshotMeta)],
+    ) -> Result<(), BackendError> {
+        let (pool, name) = split(key)?;
+        let members = members
+            .iter()
+            .map(|(snapshot, meta)| {
+                Ok(json!({
+                    "snapshot": split(snapshot)?.1,
+                    "image": split(&meta.source_image)?.1,
+                }))
+            })
+            .collect::<Result<Vec<_>, UstorError>>()?;
+        self.send(
+            Method::POST,
+            &format!("/api/v1/pools/{pool}/snapshot-groups"),
+            &json!({"name": name, "members": members}),
+        )
+        .await
+    }
+
+    async fn delete_group_snapshot(&self, key: &str) -> Result<(), BackendError> {
+        let (pool, name) = split(key)?;
+        self.delete(&format!("/api/v1/pools/{pool}/snapshot-groups/{name}"))
+            .await
+    }
+
     async fn capacity(
         &self,
         parameters: &BTreeMap<String, String>,
@@ -435,9 +509,32 @@ fn snapshot_meta(pool: &str, s: Snapshot) -> SnapshotMeta {
         name: format!("{pool}/{}", s.name),
         source_image: format!("{pool}/{}", s.image),
         size: s.size_bytes,
-        created: humantime::parse_rfc3339(&s.created_at)
-            .ok()
-            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-            .map_or(0, |d| d.as_secs() as i64),
+        created: epoch_seconds(&s.created_at),
+        group: s.group.map(|g| format!("{pool}/{g}")),
     }
+}
+
+fn group_meta(pool: &str, g: SnapshotGroup) -> GroupSnapshotMeta {
+    GroupSnapshotMeta {
+        name: format!("{pool}/{}", g.name),
+        members: g
+            .members
+            .into_iter()
+            .map(|m| {
+                (
+                    format!("{pool}/{}", m.snapshot),
+                    format!("{pool}/{}", m.image),
+                )
+            })
+            .collect(),
+        created: epoch_seconds(&g.created_at),
+    }
+}
+
+/// uStor's RFC 3339 time as seconds since the Unix epoch (0 when it gave none).
+fn epoch_seconds(rfc3339: &str) -> i64 {
+    humantime::parse_rfc3339(rfc3339)
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
 }

@@ -109,6 +109,8 @@ pub enum UstorError {
         "the source lives in pool {source_pool:?}; a volume restored or cloned from it must use the same pool, not {pool:?}"
     )]
     SourceInOtherPool { source_pool: String, pool: String },
+    #[error("the volumes of a group snapshot must share a pool; these are in pools {pools:?}")]
+    GroupAcrossPools { pools: Vec<String> },
     #[error("uStor image {key} does not exist")]
     ImageMissing { key: String },
     #[error("backend: uStor answered the grant of {key} to {node} without a token")]

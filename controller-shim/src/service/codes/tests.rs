@@ -431,7 +431,7 @@ fn any_rpc() -> Vec<(Error, Code)> {
         .collect()
 }
 
-const EVERY_RPC: [Rpc; 14] = [
+const EVERY_RPC: [Rpc; 18] = [
     Rpc::CreateVolume,
     Rpc::DeleteVolume,
     Rpc::ControllerPublishVolume,
@@ -446,6 +446,10 @@ const EVERY_RPC: [Rpc; 14] = [
     Rpc::ListVolumes,
     Rpc::ControllerGetVolume,
     Rpc::ControllerModifyVolume,
+    Rpc::GroupControllerGetCapabilities,
+    Rpc::CreateVolumeGroupSnapshot,
+    Rpc::DeleteVolumeGroupSnapshot,
+    Rpc::GetVolumeGroupSnapshot,
 ];
 
 #[test]
