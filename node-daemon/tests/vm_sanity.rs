@@ -12,11 +12,6 @@ use testkit::sanity::{SanityEndpoint, SanityRun};
 mod common;
 use common::{assert_clean, status_of, CONFIG, MIB};
 
-/// The capabilities the driver does not offer, as csi-sanity's spec names say them: their
-/// specs are skipped by the suite itself, and may be skipped here. Any other skip, like any
-/// failure, fails the test.
-const NOT_OFFERED: &[&str] = &["GroupController"];
-
 /// Specs that fail for a reason this harness cannot remove yet, each with the reason; every
 /// one must still fail (so the list shrinks when the reason goes), and nothing else may.
 /// - Without the Kubernetes API the controller knows no node list and no node's attach limit
@@ -58,11 +53,9 @@ async fn sanity(access_type: &str, binary: &str) {
     for (name, message) in &report.failures {
         eprintln!("FAILED: {name}\n  {message}");
     }
-    let skipped: Vec<String> = report
-        .names("skipped")
-        .into_iter()
-        .filter(|name| !NOT_OFFERED.iter().any(|c| name.contains(c)))
-        .collect();
+    // The driver offers every capability csi-sanity tests (the GroupController's too): a skip,
+    // like a failure, fails the test.
+    let skipped: Vec<String> = report.names("skipped");
     eprintln!(
         "csi-sanity ({access_type}): {} passed, {} failed, {} skipped",
         report.count("passed"),
