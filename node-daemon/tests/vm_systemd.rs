@@ -161,10 +161,21 @@ async fn ready(c: &mut NodeClients) -> bool {
 async fn stage_and_publish(c: &mut NodeClients) {
     let mut stage = stage_request(VOLUME, &staging(), capability(), &export_uri());
     stage.volume_context = with_connections(stage.volume_context);
-    c.node
-        .node_stage_volume(stage)
-        .await
-        .unwrap_or_else(|e| panic!("NodeStage: {e:?}"));
+    if let Err(e) = c.node.node_stage_volume(stage).await {
+        // What the daemon and the export server saw: the console shows only the kernel.
+        let (_, daemon) = run(
+            "journalctl",
+            &["-u", UNIT, "--no-pager", "-o", "short-monotonic"],
+        );
+        let (_, export) = run(
+            "journalctl",
+            &["-u", "vm-export", "--no-pager", "-o", "short-monotonic"],
+        );
+        let (_, ss) = run("ss", &["-xp"]);
+        panic!(
+            "NodeStage: {e:?}\n--- {UNIT}:\n{daemon}\n--- vm-export:\n{export}\n--- ss -xp:\n{ss}"
+        );
+    }
     std::fs::create_dir_all(target().parent().unwrap()).unwrap();
     let mut publish = publish_request(
         VOLUME,
