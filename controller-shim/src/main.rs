@@ -9,6 +9,7 @@ use anyhow::Result;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use controller_shim::backend::ustor::api::{check_url, UrlRefusal};
 use controller_shim::ids::valid_cluster_id;
+use controller_shim::kube::webhook::issuer::IssueSettings;
 use controller_shim::kube::webhook::WebhookSettings;
 use controller_shim::server::{self, leader_identity, BackendSettings, Settings};
 
@@ -96,6 +97,21 @@ struct ServeArgs {
     /// when it changes.
     #[arg(long, default_value = "csi-controller-webhook-tls")]
     webhook_cert_secret: String,
+    /// Make and renew the webhook's certificate (a CA of the controller's own, in the same
+    /// Secret) and keep the webhook configurations' caBundle current. Off when cert-manager
+    /// or an operator keeps the Secret and the caBundle.
+    #[arg(long)]
+    webhook_cert_issue: bool,
+    /// The names the issued certificate is for (default: the webhook Service's,
+    /// csi-controller-webhook.<namespace>.svc).
+    #[arg(long, value_delimiter = ',')]
+    webhook_cert_names: Vec<String>,
+    /// How long an issued certificate is valid; renewed with a third left.
+    #[arg(long, default_value = "365d", value_parser = humantime::parse_duration)]
+    webhook_cert_validity: std::time::Duration,
+    /// The Validating- and MutatingWebhookConfiguration whose caBundle is kept current.
+    #[arg(long, default_value = "d8-csi-mind-ustor")]
+    webhook_configuration: String,
     /// Users that may create ReadWriteMany block claims: exact names, or prefixes ending in *.
     #[arg(
         long,
@@ -156,6 +172,10 @@ fn settings(args: ServeArgs) -> Result<Settings> {
         leader_election,
         webhook_address,
         webhook_cert_secret,
+        webhook_cert_issue,
+        webhook_cert_names,
+        webhook_cert_validity,
+        webhook_configuration,
         webhook_migration_users,
         webhook_controller_user,
     } = args;
@@ -188,9 +208,20 @@ fn settings(args: ServeArgs) -> Result<Settings> {
         }
     };
     let glue = kubernetes.then(|| {
+        let issue = webhook_cert_issue.then(|| IssueSettings {
+            names: if webhook_cert_names.is_empty() {
+                let service = format!("csi-controller-webhook.{namespace}.svc");
+                vec![service.clone(), format!("{service}.cluster.local")]
+            } else {
+                webhook_cert_names
+            },
+            validity: webhook_cert_validity,
+            configuration: webhook_configuration,
+        });
         let webhook = webhook_address.map(|listen| WebhookSettings {
             listen,
             cert_secret: webhook_cert_secret,
+            issue,
             migration_users: webhook_migration_users,
             controller_user: webhook_controller_user
                 .unwrap_or_else(|| format!("system:serviceaccount:{namespace}:csi-controller")),

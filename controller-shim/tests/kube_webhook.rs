@@ -95,6 +95,7 @@ fn glue_with_webhook(cluster: &KubeCluster, client: kube::Client, ca: &[u8]) -> 
             webhook: Some(WebhookSettings {
                 listen: ([127, 0, 0, 1], port).into(),
                 cert_secret: "webhook-tls".into(),
+                issue: None,
                 migration_users: vec!["system:serviceaccount:d8-virtualization:*".into()],
                 // The glue writes with the test's admin user.
                 controller_user: "admin".into(),
@@ -490,4 +491,134 @@ async fn a_read_write_many_block_volume_is_made_only_for_a_claim_the_webhook_adm
         err.message()
     );
     server.abort();
+}
+
+/// The certificate the webhook on `port` serves, checked against `ca_pem` (a TLS handshake as
+/// the API server makes one): its DER.
+async fn served_certificate(port: u16, ca_pem: &[u8]) -> Result<Vec<u8>, String> {
+    use rustls::pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls::pki_types::CertificateDer::pem_slice_iter(ca_pem) {
+        roots
+            .add(cert.map_err(|e| e.to_string())?)
+            .map_err(|e| e.to_string())?;
+    }
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .map_err(|e| e.to_string())?
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .map_err(|e| e.to_string())?;
+    let name = rustls::pki_types::ServerName::try_from("127.0.0.1").map_err(|e| e.to_string())?;
+    let tls = tokio_rustls::TlsConnector::from(Arc::new(config))
+        .connect(name, tcp)
+        .await
+        .map_err(|e| e.to_string())?;
+    let (_, session) = tls.get_ref();
+    session
+        .peer_certificates()
+        .and_then(|c| c.first())
+        .map(|c| c.to_vec())
+        .ok_or_else(|| "no certificate".into())
+}
+
+/// With `--webhook-cert-issue`, nobody makes a certificate: the controller makes its CA and
+/// serving certificate, the configurations' caBundle trusts it, the API server calls the
+/// webhook over TLS, and a renewal (a short validity here) is served without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "kube: needs the test API server (tests/kube/run)"]
+async fn the_controller_issues_and_renews_the_webhook_certificate_itself() {
+    use controller_shim::kube::webhook::issuer::IssueSettings;
+    use controller_shim::kube::webhook::WebhookSettings;
+    let cluster = cluster_with_namespace();
+    let client = client(&cluster).await;
+    let port = testkit::free_port().unwrap();
+    // No caBundle at all: the controller fills it in.
+    apply(
+        &cluster,
+        &webhook_configuration(&format!("https://127.0.0.1:{port}"), b""),
+    );
+    let validity = Duration::from_secs(9);
+    let _glue = Glue::start(
+        client.clone(),
+        Settings {
+            webhook: Some(WebhookSettings {
+                listen: ([127, 0, 0, 1], port).into(),
+                cert_secret: "webhook-tls".into(),
+                issue: Some(IssueSettings {
+                    names: vec!["127.0.0.1".into()],
+                    validity,
+                    configuration: "d8-csi-mind-ustor".into(),
+                }),
+                migration_users: vec![],
+                controller_user: "admin".into(),
+            }),
+            ..test_settings()
+        },
+    );
+    apply(&cluster, &connection_yaml("main"));
+    let connections: Api<MindUstorStorageConnection> = Api::all(client.clone());
+    // The resources' webhook fails closed: "cannot be changed" is its answer, anything else
+    // (a TLS error, no caBundle) means the API server could not ask it.
+    let webhook_answers = || async {
+        merge_patch(
+            &connections,
+            "main",
+            serde_json::json!({ "spec": { "controlPlane": { "address": "https://elsewhere:23004" } } }),
+        )
+        .await
+        .err()
+        .is_some_and(|e| e.to_string().contains("cannot be changed"))
+        .then_some(())
+    };
+    eventually(
+        "the API server calls the webhook",
+        Duration::from_secs(30),
+        webhook_answers,
+    )
+    .await;
+
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), "d8-csi-mind-ustor");
+    let secret = secrets.get("webhook-tls").await.unwrap();
+    assert_eq!(secret.type_.as_deref(), Some("kubernetes.io/tls"));
+    let data = secret.data.unwrap();
+    for key in ["tls.crt", "tls.key", "ca.crt", "ca.key"] {
+        assert!(data.contains_key(key), "the Secret lacks {key}");
+    }
+    let ca = data["ca.crt"].0.clone();
+    let webhooks: Api<k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration> =
+        Api::all(client.clone());
+    let mutating = webhooks.get("d8-csi-mind-ustor").await.unwrap();
+    for hook in mutating.webhooks.unwrap() {
+        assert_eq!(
+            hook.client_config.ca_bundle.map(|b| b.0),
+            Some(ca.clone()),
+            "the mutating webhook {} does not trust the CA",
+            hook.name
+        );
+    }
+
+    // Renewed with a third of its validity left: another certificate, the same CA trusted.
+    let first = eventually("a certificate served", Duration::from_secs(10), || async {
+        served_certificate(port, &ca).await.ok()
+    })
+    .await;
+    let renewed = eventually("a renewed certificate served", validity * 3, || async {
+        served_certificate(port, &ca)
+            .await
+            .ok()
+            .filter(|c| *c != first)
+    })
+    .await;
+    assert_ne!(renewed, first);
+    eventually(
+        "the webhook still answers",
+        Duration::from_secs(10),
+        webhook_answers,
+    )
+    .await;
 }

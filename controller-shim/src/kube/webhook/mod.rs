@@ -9,6 +9,7 @@
 //! its StorageClass not there yet) is refused at provisioning. Everything else comes to
 //! `/validate`.
 
+pub mod issuer;
 pub mod rules;
 pub mod tls;
 
@@ -36,6 +37,9 @@ pub struct WebhookSettings {
     pub listen: SocketAddr,
     /// The `kubernetes.io/tls` Secret with the serving certificate.
     pub cert_secret: String,
+    /// Made and renewed by the controller itself ([`issuer`]); `None` when someone else
+    /// (an operator, cert-manager) keeps the Secret and the caBundle.
+    pub issue: Option<issuer::IssueSettings>,
     /// Users that may create ReadWriteMany block claims (exact, or prefixes ending in `*`).
     pub migration_users: Vec<String>,
     /// The controller's own user: the only writer of our StorageClasses.
@@ -58,6 +62,14 @@ pub async fn serve(
     key: ControllerKey,
 ) -> std::io::Result<()> {
     let slot = Arc::new(tls::CertSlot::default());
+    let issuing = settings.issue.clone().map(|issue| {
+        tokio::spawn(issuer::keep_issued(
+            client.clone(),
+            namespace.clone(),
+            settings.cert_secret.clone(),
+            issue,
+        ))
+    });
     let follow = tokio::spawn(tls::follow_secret(
         client.clone(),
         namespace,
@@ -106,6 +118,9 @@ pub async fn serve(
         });
     };
     follow.abort();
+    if let Some(issuing) = issuing {
+        issuing.abort();
+    }
     result
 }
 
