@@ -287,66 +287,77 @@ async fn write(
     }
 }
 
+/// The caBundles of a webhook configuration's webhooks (validating and mutating ones differ
+/// only in their webhooks' type).
+trait Bundles {
+    const KIND: &'static str;
+    fn bundles(&mut self) -> Vec<&mut Option<ByteString>>;
+}
+
+/// Both kinds keep their caBundles at `webhooks[*].clientConfig.caBundle`.
+macro_rules! bundles_of {
+    ($kind:ident) => {
+        impl Bundles for $kind {
+            const KIND: &'static str = stringify!($kind);
+            fn bundles(&mut self) -> Vec<&mut Option<ByteString>> {
+                self.webhooks
+                    .iter_mut()
+                    .flatten()
+                    .map(|h| &mut h.client_config.ca_bundle)
+                    .collect()
+            }
+        }
+    };
+}
+bundles_of!(ValidatingWebhookConfiguration);
+bundles_of!(MutatingWebhookConfiguration);
+
 /// Sets `bundle` as the caBundle of every webhook of both configurations named `name` (one
 /// not there yet is skipped: it is applied later and looked at again next round).
 async fn trust(client: &Client, name: &str, bundle: &str) -> Result<(), IssueError> {
     let bundle = ByteString(bundle.as_bytes().to_vec());
-    let validating: Api<ValidatingWebhookConfiguration> = Api::all(client.clone());
-    let bundle_error = |kind: &'static str| {
-        move |source| IssueError::Bundle {
-            kind,
-            name: name.to_owned(),
-            source,
-        }
+    trust_in::<ValidatingWebhookConfiguration>(client, name, &bundle).await?;
+    trust_in::<MutatingWebhookConfiguration>(client, name, &bundle).await
+}
+
+async fn trust_in<K>(client: &Client, name: &str, bundle: &ByteString) -> Result<(), IssueError>
+where
+    K: Bundles
+        + kube::Resource<Scope = k8s_openapi::ClusterResourceScope, DynamicType = ()>
+        + Clone
+        + std::fmt::Debug
+        + serde::Serialize
+        + serde::de::DeserializeOwned,
+{
+    let api: Api<K> = Api::all(client.clone());
+    let failed = |source| IssueError::Bundle {
+        kind: K::KIND,
+        name: name.to_owned(),
+        source,
     };
-    if let Some(mut config) = validating
-        .get_opt(name)
-        .await
-        .map_err(bundle_error("ValidatingWebhookConfiguration"))?
-    {
-        let mut changed = false;
-        for hook in config.webhooks.iter_mut().flatten() {
-            if hook.client_config.ca_bundle.as_ref() != Some(&bundle) {
-                hook.client_config.ca_bundle = Some(bundle.clone());
-                changed = true;
-            }
-        }
-        if changed {
-            validating
-                .replace(name, &PostParams::default(), &config)
-                .await
-                .map_err(bundle_error("ValidatingWebhookConfiguration"))?;
-            tracing::info!(
-                configuration = name,
-                "webhook CA bundle updated (validating)"
-            );
+    let Some(mut config) = api.get_opt(name).await.map_err(failed)? else {
+        return Ok(());
+    };
+    let mut changed = false;
+    for ca_bundle in config.bundles() {
+        if ca_bundle.as_ref() != Some(bundle) {
+            *ca_bundle = Some(bundle.clone());
+            changed = true;
         }
     }
-    let mutating: Api<MutatingWebhookConfiguration> = Api::all(client.clone());
-    if let Some(mut config) = mutating
-        .get_opt(name)
-        .await
-        .map_err(bundle_error("MutatingWebhookConfiguration"))?
-    {
-        let mut changed = false;
-        for hook in config.webhooks.iter_mut().flatten() {
-            if hook.client_config.ca_bundle.as_ref() != Some(&bundle) {
-                hook.client_config.ca_bundle = Some(bundle.clone());
-                changed = true;
-            }
-        }
-        if changed {
-            mutating
-                .replace(name, &PostParams::default(), &config)
-                .await
-                .map_err(bundle_error("MutatingWebhookConfiguration"))?;
-            tracing::info!(configuration = name, "webhook CA bundle updated (mutating)");
-        }
+    if changed {
+        api.replace(name, &PostParams::default(), &config)
+            .await
+            .map_err(failed)?;
+        tracing::info!(
+            kind = K::KIND,
+            configuration = name,
+            "webhook CA bundle updated"
+        );
     }
     Ok(())
 }
 
-/// The Secret's certificates; `signed_by` is its annotation naming the CA of `tls.crt`.
 fn read(
     name: &str,
     data: &BTreeMap<String, ByteString>,
