@@ -12,7 +12,9 @@ use std::sync::Arc;
 
 use super::ustor::api::UstorApi;
 use super::ustor::backend::UstorBackend;
-use super::{Backend, BackendError, GrantToken, GroupSnapshotMeta, SnapshotMeta, VolumeMeta};
+use super::{
+    Backend, BackendError, GrantToken, GroupSnapshotMeta, ListedVolume, SnapshotMeta, VolumeMeta,
+};
 use crate::ids::valid_connection;
 
 /// Why a call found no uStor connection to go to.
@@ -199,16 +201,19 @@ impl Backend for ConnectionsBackend {
     /// Every connection's volumes, keyed with it. A connection that is not usable fails the
     /// list, naming it: its volumes cannot be listed, and a list without them would say
     /// they are gone.
-    async fn volumes(&self) -> Result<Vec<(String, VolumeMeta)>, BackendError> {
+    async fn volumes(&self) -> Result<Vec<ListedVolume>, BackendError> {
         let mut out = Vec::new();
         for connection in self.directory.names() {
             let (_, backend) = self.serving(Some(&connection))?;
-            for (key, meta) in backend.volumes().await? {
-                let key = format!("{connection}/{key}");
-                out.push((key, self.answered(&connection, meta)));
+            for listed in backend.volumes().await? {
+                out.push(ListedVolume {
+                    key: format!("{connection}/{}", listed.key),
+                    meta: self.answered(&connection, listed.meta),
+                    export: listed.export,
+                });
             }
         }
-        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out.sort_by(|a, b| a.key.cmp(&b.key));
         Ok(out)
     }
 

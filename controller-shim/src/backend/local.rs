@@ -32,7 +32,8 @@ use serde::Serialize;
 
 use super::grants::NoRandom;
 use super::{
-    Backend, BackendError, Grant, GrantToken, GroupSnapshotMeta, SnapshotMeta, Source, VolumeMeta,
+    Backend, BackendError, Grant, GrantToken, GroupSnapshotMeta, ListedVolume, SnapshotMeta,
+    Source, VolumeMeta,
 };
 use crate::exports::gate::GrantLookup;
 use crate::exports::pause::{HoldError, WriteHold};
@@ -143,6 +144,11 @@ impl LocalBackend {
     /// The export server's open connections, by grant.
     pub fn sessions(&self) -> Arc<Sessions> {
         Arc::clone(&self.sessions)
+    }
+
+    /// Where nodes dial `image` (through the gate).
+    fn uri_of(&self, image: &str) -> String {
+        format!("nbd://{}/{image}", self.export_address)
     }
 
     /// The writable export server's pause control.
@@ -388,7 +394,7 @@ impl Backend for LocalBackend {
     }
 
     async fn export_uri(&self, image: &str) -> Result<String, BackendError> {
-        Ok(format!("nbd://{}/{image}", self.export_address))
+        Ok(self.uri_of(image))
     }
 
     async fn volume(&self, image: &str) -> Result<Option<VolumeMeta>, BackendError> {
@@ -522,8 +528,16 @@ impl Backend for LocalBackend {
         Ok(self.all_meta("snapshot")?)
     }
 
-    async fn volumes(&self) -> Result<Vec<(String, VolumeMeta)>, BackendError> {
-        Ok(self.all_meta("volume")?)
+    async fn volumes(&self) -> Result<Vec<ListedVolume>, BackendError> {
+        Ok(self
+            .all_meta("volume")?
+            .into_iter()
+            .map(|(key, meta)| ListedVolume {
+                export: Some(self.uri_of(&key)),
+                key,
+                meta,
+            })
+            .collect())
     }
 
     async fn group_snapshot(&self, key: &str) -> Result<Option<GroupSnapshotMeta>, BackendError> {

@@ -69,6 +69,15 @@ impl VolumeMeta {
     }
 }
 
+/// A volume as [`Backend::volumes`] lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ListedVolume {
+    pub key: String,
+    pub meta: VolumeMeta,
+    /// Its NBD URI, when the listing told it: ListVolumes then needs no look-up per volume.
+    pub export: Option<String>,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SnapshotMeta {
     pub name: String,
@@ -137,7 +146,7 @@ pub trait Backend: Send + Sync + fmt::Debug {
     /// Every volume with recorded metadata, by key, sorted by key (images of other tools, which
     /// have none, are not volumes). All or an error: a list with a part missing would tell
     /// its reader that the missing volumes are gone.
-    async fn volumes(&self) -> Result<Vec<(String, VolumeMeta)>, BackendError>;
+    async fn volumes(&self) -> Result<Vec<ListedVolume>, BackendError>;
     /// What is wrong with the recorded volume `image` as the storage sees it (its data gone
     /// or short, its export server down), in words for an operator; `None` when nothing is.
     async fn problem(&self, image: &str, meta: &VolumeMeta)

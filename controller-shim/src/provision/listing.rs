@@ -10,7 +10,7 @@ use csi_proto::csi::*;
 
 use super::{volume_lock, Provisioner};
 use crate::backend::connections::ConnectionError;
-use crate::backend::{BackendError, VolumeMeta};
+use crate::backend::{BackendError, ListedVolume, VolumeMeta};
 use crate::error::Error;
 use crate::ids::image_for;
 use crate::request::{self, require};
@@ -30,19 +30,23 @@ impl Provisioner {
         if r.max_entries < 0 {
             return Err(request::RequestError::NegativeMaxEntries.into());
         }
-        let all: Vec<(String, VolumeMeta)> = self
+        let all: Vec<ListedVolume> = self
             .backend
             .volumes()
             .await?
             .into_iter()
-            .filter(|(key, meta)| self.is_ours(key, meta))
+            .filter(|v| self.is_ours(&v.key, &v.meta))
             .collect();
         let page = request::page(r.max_entries, &r.starting_token, all.len())?;
         let mut entries = Vec::new();
-        for (image, meta) in all.iter().skip(page.start).take(page.take) {
+        for listed in all.iter().skip(page.start).take(page.take) {
+            let (image, meta) = (&listed.key, &listed.meta);
             let (published_node_ids, volume_condition) = self.status(image, meta).await?;
             entries.push(list_volumes_response::Entry {
-                volume: Some(self.volume_answer(image, meta).await?),
+                volume: Some(
+                    self.volume_answer_at(image, meta, listed.export.clone())
+                        .await?,
+                ),
                 status: Some(list_volumes_response::VolumeStatus {
                     published_node_ids,
                     volume_condition: Some(volume_condition),

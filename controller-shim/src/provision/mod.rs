@@ -123,6 +123,16 @@ impl Provisioner {
         connections: Option<&String>,
     ) -> Result<HashMap<String, String>, BackendError> {
         let uri = self.backend.export_uri(image).await?;
+        Ok(self.context_at(image, connections, uri))
+    }
+
+    /// [`export_context`](Self::export_context) with the URI known.
+    fn context_at(
+        &self,
+        image: &str,
+        connections: Option<&String>,
+        uri: String,
+    ) -> HashMap<String, String> {
         let mut context = HashMap::new();
         if let Some(n) = connections {
             context.insert("nbdConnections".into(), n.clone());
@@ -133,16 +143,29 @@ impl Provisioner {
             }
         }
         context.insert("nbdUri".into(), uri);
-        Ok(context)
+        context
     }
 
     /// The volume as CreateVolume answered it. Its context is the spec's "static properties"
     /// (the same in every answer), so it holds the StorageClass's connection count; the one in
     /// force, which ControllerModifyVolume may change, is in each publish context.
     async fn volume_answer(&self, image: &str, meta: &VolumeMeta) -> Result<Volume, BackendError> {
-        let context = self
-            .export_context(image, meta.parameters.get("nbdConnections"))
-            .await?;
+        self.volume_answer_at(image, meta, None).await
+    }
+
+    /// [`volume_answer`](Self::volume_answer), with the export's URI when the caller has it
+    /// (a listing told it); else it is looked up.
+    async fn volume_answer_at(
+        &self,
+        image: &str,
+        meta: &VolumeMeta,
+        uri: Option<String>,
+    ) -> Result<Volume, BackendError> {
+        let uri = match uri {
+            Some(uri) => uri,
+            None => self.backend.export_uri(image).await?,
+        };
+        let context = self.context_at(image, meta.parameters.get("nbdConnections"), uri);
         Ok(Volume {
             capacity_bytes: wire_size(meta.size),
             volume_id: Handle::new(self.backend.name(), Kind::Volume, image.to_owned()).to_string(),

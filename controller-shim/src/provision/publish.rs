@@ -58,7 +58,7 @@ impl Provisioner {
             .volumes()
             .await?
             .iter()
-            .filter(|(key, meta)| self.is_ours(key, meta) && meta.published.contains_key(node_id))
+            .filter(|v| self.is_ours(&v.key, &v.meta) && v.meta.published.contains_key(node_id))
             .count() as u64;
         if held >= limit {
             return Err(VolumeError::AttachLimit {

@@ -28,6 +28,8 @@ struct Inner {
     /// Image key → node → its grant. It serves no NBD, so a revoke has nothing to cut.
     grants: Mutex<HashMap<String, BTreeMap<String, FakeGrant>>>,
     logins: AtomicUsize,
+    /// GETs of one image, counted: a listing should not need them.
+    image_gets: AtomicUsize,
     /// New images' NBD endpoints require TLS.
     nbd_tls: std::sync::atomic::AtomicBool,
 }
@@ -121,6 +123,11 @@ impl FakeUstor {
     /// Logins that reached the server.
     pub fn logins(&self) -> usize {
         self.inner.logins.load(Ordering::SeqCst)
+    }
+
+    /// How many GETs of a single image it answered.
+    pub fn image_gets(&self) -> usize {
+        self.inner.image_gets.load(Ordering::SeqCst)
     }
 
     /// Keys (`<pool>/<image>`) of the images it holds, sorted.
@@ -290,6 +297,7 @@ async fn create_image(State(s): St, Path(pool): Path<String>, Json(body): Json<V
 }
 
 async fn get_image(State(s): St, Path((pool, name)): Path<(String, String)>) -> Response {
+    s.image_gets.fetch_add(1, Ordering::SeqCst);
     fetch(&s.images, &format!("{pool}/{name}"), "image")
 }
 

@@ -12,7 +12,8 @@ use serde_json::{json, Value};
 use super::api::UstorApi;
 use super::error::UstorError;
 use crate::backend::{
-    Backend, BackendError, GrantToken, GroupSnapshotMeta, SnapshotMeta, Source, VolumeMeta,
+    Backend, BackendError, GrantToken, GroupSnapshotMeta, ListedVolume, SnapshotMeta, Source,
+    VolumeMeta,
 };
 
 /// Sizes are whole MiB (the smallest allocation unit assumed for uStor).
@@ -254,10 +255,7 @@ impl Backend for UstorBackend {
             .ok_or_else(|| UstorError::ImageMissing {
                 key: key.to_owned(),
             })?;
-        // NbdUri brackets an IPv6 host and percent-encodes the export name (uStor's may hold
-        // characters a URI path cannot).
-        let uri = nbd::NbdUri::tcp(image.nbd.host, image.nbd.port, image.nbd.export);
-        Ok(if image.nbd.tls { uri.with_tls() } else { uri }.to_string())
+        Ok(nbd_uri(image.nbd))
     }
 
     async fn volume(&self, key: &str) -> Result<Option<VolumeMeta>, BackendError> {
@@ -270,7 +268,8 @@ impl Backend for UstorBackend {
     }
 
     /// Every pool's images that carry this driver's labels (others are not its volumes).
-    async fn volumes(&self) -> Result<Vec<(String, VolumeMeta)>, BackendError> {
+    /// With each image's NBD endpoint, which the listing answers anyway.
+    async fn volumes(&self) -> Result<Vec<ListedVolume>, BackendError> {
         let pools = self.get::<Pools>("/api/v1/pools").await?.map(|p| p.pools);
         let mut out = Vec::new();
         for pool in pools.unwrap_or_default() {
@@ -280,14 +279,15 @@ impl Backend for UstorBackend {
             let images = self.get::<Images>(&path).await?.map(|i| i.images);
             for image in images.unwrap_or_default() {
                 if image.labels.contains_key("csi.name") {
-                    out.push((
-                        format!("{}/{}", pool.name, image.name),
-                        from_labels(&image)?,
-                    ));
+                    out.push(ListedVolume {
+                        key: format!("{}/{}", pool.name, image.name),
+                        meta: from_labels(&image)?,
+                        export: Some(nbd_uri(image.nbd)),
+                    });
                 }
             }
         }
-        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out.sort_by(|a, b| a.key.cmp(&b.key));
         Ok(out)
     }
 
@@ -502,6 +502,13 @@ impl Backend for UstorBackend {
             .await?
             .map(|p| p.free_bytes))
     }
+}
+
+/// Where nodes attach an image. NbdUri brackets an IPv6 host and percent-encodes the export
+/// name (uStor's may hold characters a URI path cannot).
+fn nbd_uri(nbd: Nbd) -> String {
+    let uri = nbd::NbdUri::tcp(nbd.host, nbd.port, nbd.export);
+    if nbd.tls { uri.with_tls() } else { uri }.to_string()
 }
 
 fn snapshot_meta(pool: &str, s: Snapshot) -> SnapshotMeta {
