@@ -622,3 +622,114 @@ async fn the_controller_issues_and_renews_the_webhook_certificate_itself() {
     )
     .await;
 }
+
+/// The CA is replaced without the API server ever meeting a certificate its caBundle does
+/// not trust: the new CA joins the bundle first, then signs. Every call during the change
+/// reaches the webhook. A Secret without `ca.key` (cert-manager's) is left alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "kube: needs the test API server (tests/kube/run)"]
+async fn the_webhook_ca_is_replaced_without_a_failed_call_and_a_foreign_secret_is_left_alone() {
+    use controller_shim::kube::webhook::issuer::IssueSettings;
+    use controller_shim::kube::webhook::WebhookSettings;
+    let cluster = cluster_with_namespace();
+    let client = client(&cluster).await;
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), "d8-csi-mind-ustor");
+    let port = testkit::free_port().unwrap();
+    apply(
+        &cluster,
+        &webhook_configuration(&format!("https://127.0.0.1:{port}"), b""),
+    );
+    // A short validity: the CA (ten of them) is due for replacement after 48 s.
+    let validity = Duration::from_secs(6);
+    let settings = |secret: &str| Settings {
+        webhook: Some(WebhookSettings {
+            listen: ([127, 0, 0, 1], port).into(),
+            cert_secret: secret.into(),
+            issue: Some(IssueSettings {
+                names: vec!["127.0.0.1".into()],
+                validity,
+                configuration: "d8-csi-mind-ustor".into(),
+            }),
+            migration_users: vec![],
+            controller_user: "admin".into(),
+        }),
+        ..test_settings()
+    };
+
+    // Someone else's Secret first: kept as it is, and its certificate served.
+    let (ca, crt, key, _pki) = make_certificate("foreign");
+    put_tls(&cluster, &crt, &key);
+    let foreign = secrets.get("webhook-tls").await.unwrap();
+    let glue = Glue::start(client.clone(), settings("webhook-tls"));
+    let served = eventually(
+        "the foreign certificate served",
+        Duration::from_secs(30),
+        || async { served_certificate(port, &ca).await.ok() },
+    )
+    .await;
+    tokio::time::sleep(validity).await;
+    let after = secrets.get("webhook-tls").await.unwrap();
+    assert_eq!(
+        after.data, foreign.data,
+        "a Secret without ca.key was rewritten"
+    );
+    assert_eq!(served_certificate(port, &ca).await.unwrap(), served);
+    drop(glue);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    // Its own Secret: through a CA replacement, every call reaches the webhook.
+    let _glue = Glue::start(client.clone(), settings("webhook-own"));
+    apply(&cluster, &connection_yaml("main"));
+    let connections: Api<MindUstorStorageConnection> = Api::all(client.clone());
+    let webhook_answers = || async {
+        merge_patch(
+            &connections,
+            "main",
+            serde_json::json!({ "spec": { "controlPlane": { "address": "https://elsewhere:23004" } } }),
+        )
+        .await
+        .err()
+        .is_some_and(|e| e.to_string().contains("cannot be changed"))
+    };
+    eventually(
+        "the API server calls the webhook",
+        Duration::from_secs(30),
+        || async { webhook_answers().await.then_some(()) },
+    )
+    .await;
+    let ca_of = |s: &Secret| s.data.as_ref().unwrap()["ca.crt"].0.clone();
+    let first_ca = ca_of(&secrets.get("webhook-own").await.unwrap());
+    let started = std::time::Instant::now();
+    let (mut calls, mut joined) = (0, false);
+    while started.elapsed() < Duration::from_secs(70) {
+        assert!(
+            webhook_answers().await,
+            "a call failed to reach the webhook after {:?} (call {calls})",
+            started.elapsed()
+        );
+        calls += 1;
+        let bundle = ca_of(&secrets.get("webhook-own").await.unwrap());
+        if bundle.len() > first_ca.len() && bundle.ends_with(&first_ca) {
+            joined = true;
+        }
+        // Replaced: the new CA signs what is served, and the old one is still trusted.
+        if joined && served_certificate(port, &first_ca).await.is_err() {
+            assert!(
+                served_certificate(port, &bundle).await.is_ok(),
+                "the served certificate is trusted by neither CA"
+            );
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert!(joined, "the new CA never joined the bundle");
+    assert!(
+        served_certificate(port, &first_ca).await.is_err(),
+        "the first CA still signs after {:?}",
+        started.elapsed()
+    );
+    assert!(
+        webhook_answers().await,
+        "the webhook is not reached after the replacement"
+    );
+}

@@ -46,6 +46,15 @@ pub struct WebhookSettings {
     pub controller_user: String,
 }
 
+/// A task that ends when its handle is dropped (a dropped JoinHandle only detaches it).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 struct Shared {
     client: Client,
     settings: WebhookSettings,
@@ -62,20 +71,21 @@ pub async fn serve(
     key: ControllerKey,
 ) -> std::io::Result<()> {
     let slot = Arc::new(tls::CertSlot::default());
-    let issuing = settings.issue.clone().map(|issue| {
-        tokio::spawn(issuer::keep_issued(
+    // Ended with this task, however it ends (the glue aborts it when dropped).
+    let _issuing = settings.issue.clone().map(|issue| {
+        AbortOnDrop(tokio::spawn(issuer::keep_issued(
             client.clone(),
             namespace.clone(),
             settings.cert_secret.clone(),
             issue,
-        ))
+        )))
     });
-    let follow = tokio::spawn(tls::follow_secret(
+    let _follow = AbortOnDrop(tokio::spawn(tls::follow_secret(
         client.clone(),
         namespace,
         settings.cert_secret.clone(),
         Arc::clone(&slot),
-    ));
+    )));
     let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(
         rustls::crypto::ring::default_provider(),
     ))
@@ -117,10 +127,6 @@ pub async fn serve(
             }
         });
     };
-    follow.abort();
-    if let Some(issuing) = issuing {
-        issuing.abort();
-    }
     result
 }
 
