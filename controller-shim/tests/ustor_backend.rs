@@ -486,7 +486,11 @@ async fn volumes_are_listed_from_every_pool_and_modified_in_labels() {
     let gets = server.image_gets();
     let entries = list(&c).await;
     // The listing answers each image with its NBD endpoint: no look-up per volume.
-    assert_eq!(server.image_gets(), gets, "ListVolumes fetched images one by one");
+    assert_eq!(
+        server.image_gets(),
+        gets,
+        "ListVolumes fetched images one by one"
+    );
     let ids: Vec<&str> = entries
         .iter()
         .map(|e| e.volume.as_ref().unwrap().volume_id.as_str())
