@@ -261,16 +261,7 @@ async fn the_webhook_refuses_what_the_guide_forbids_over_tls_with_a_renewed_cert
     .await
     .unwrap();
     let connections: Api<MindUstorStorageConnection> = Api::all(client.clone());
-    let move_connection = || async {
-        merge_patch(
-            &connections,
-            "main",
-            serde_json::json!({ "spec": { "controlPlane": { "address": "https://elsewhere:23004" } } }),
-        )
-        .await
-        .unwrap_err()
-        .to_string()
-    };
+    let move_connection = || moved_connection_error(&connections);
     let err = move_connection().await;
     assert!(err.contains("cannot be changed"), "{err}");
 
@@ -493,6 +484,41 @@ async fn a_read_write_many_block_volume_is_made_only_for_a_claim_the_webhook_adm
     server.abort();
 }
 
+/// The glue serving the webhook on `port` from the Secret `secret`, which it issues itself
+/// with `validity`, for 127.0.0.1 (the test's admin is the controller).
+fn issuing(port: u16, secret: &str, validity: Duration) -> Settings {
+    use controller_shim::kube::webhook::issuer::IssueSettings;
+    use controller_shim::kube::webhook::WebhookSettings;
+    Settings {
+        webhook: Some(WebhookSettings {
+            listen: ([127, 0, 0, 1], port).into(),
+            cert_secret: secret.into(),
+            issue: Some(IssueSettings {
+                names: vec!["127.0.0.1".into()],
+                validity,
+                configuration: "d8-csi-mind-ustor".into(),
+            }),
+            migration_users: vec![],
+            controller_user: "admin".into(),
+        }),
+        ..test_settings()
+    }
+}
+
+/// Moving the connection `main` to another uStor cluster, which must be refused: the
+/// refusal's message. The resources' webhook fails closed, so "cannot be changed" is its own
+/// answer, and anything else (a TLS error, no caBundle) means the API server could not ask it.
+async fn moved_connection_error(connections: &Api<MindUstorStorageConnection>) -> String {
+    merge_patch(
+        connections,
+        "main",
+        serde_json::json!({ "spec": { "controlPlane": { "address": "https://elsewhere:23004" } } }),
+    )
+    .await
+    .unwrap_err()
+    .to_string()
+}
+
 /// The certificate the webhook on `port` serves, checked against `ca_pem` (a TLS handshake as
 /// the API server makes one): its DER.
 async fn served_certificate(port: u16, ca_pem: &[u8]) -> Result<Vec<u8>, String> {
@@ -532,8 +558,6 @@ async fn served_certificate(port: u16, ca_pem: &[u8]) -> Result<Vec<u8>, String>
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "kube: needs the test API server (tests/kube/run)"]
 async fn the_controller_issues_and_renews_the_webhook_certificate_itself() {
-    use controller_shim::kube::webhook::issuer::IssueSettings;
-    use controller_shim::kube::webhook::WebhookSettings;
     let cluster = cluster_with_namespace();
     let client = client(&cluster).await;
     let port = testkit::free_port().unwrap();
@@ -543,37 +567,14 @@ async fn the_controller_issues_and_renews_the_webhook_certificate_itself() {
         &webhook_configuration(&format!("https://127.0.0.1:{port}"), b""),
     );
     let validity = Duration::from_secs(9);
-    let _glue = Glue::start(
-        client.clone(),
-        Settings {
-            webhook: Some(WebhookSettings {
-                listen: ([127, 0, 0, 1], port).into(),
-                cert_secret: "webhook-tls".into(),
-                issue: Some(IssueSettings {
-                    names: vec!["127.0.0.1".into()],
-                    validity,
-                    configuration: "d8-csi-mind-ustor".into(),
-                }),
-                migration_users: vec![],
-                controller_user: "admin".into(),
-            }),
-            ..test_settings()
-        },
-    );
+    let _glue = Glue::start(client.clone(), issuing(port, "webhook-tls", validity));
     apply(&cluster, &connection_yaml("main"));
     let connections: Api<MindUstorStorageConnection> = Api::all(client.clone());
-    // The resources' webhook fails closed: "cannot be changed" is its answer, anything else
-    // (a TLS error, no caBundle) means the API server could not ask it.
     let webhook_answers = || async {
-        merge_patch(
-            &connections,
-            "main",
-            serde_json::json!({ "spec": { "controlPlane": { "address": "https://elsewhere:23004" } } }),
-        )
-        .await
-        .err()
-        .is_some_and(|e| e.to_string().contains("cannot be changed"))
-        .then_some(())
+        moved_connection_error(&connections)
+            .await
+            .contains("cannot be changed")
+            .then_some(())
     };
     eventually(
         "the API server calls the webhook",
@@ -629,8 +630,6 @@ async fn the_controller_issues_and_renews_the_webhook_certificate_itself() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "kube: needs the test API server (tests/kube/run)"]
 async fn the_webhook_ca_is_replaced_without_a_failed_call_and_a_foreign_secret_is_left_alone() {
-    use controller_shim::kube::webhook::issuer::IssueSettings;
-    use controller_shim::kube::webhook::WebhookSettings;
     let cluster = cluster_with_namespace();
     let client = client(&cluster).await;
     let secrets: Api<Secret> = Api::namespaced(client.clone(), "d8-csi-mind-ustor");
@@ -641,26 +640,12 @@ async fn the_webhook_ca_is_replaced_without_a_failed_call_and_a_foreign_secret_i
     );
     // A short validity: the CA (ten of them) is due for replacement after 48 s.
     let validity = Duration::from_secs(6);
-    let settings = |secret: &str| Settings {
-        webhook: Some(WebhookSettings {
-            listen: ([127, 0, 0, 1], port).into(),
-            cert_secret: secret.into(),
-            issue: Some(IssueSettings {
-                names: vec!["127.0.0.1".into()],
-                validity,
-                configuration: "d8-csi-mind-ustor".into(),
-            }),
-            migration_users: vec![],
-            controller_user: "admin".into(),
-        }),
-        ..test_settings()
-    };
 
     // Someone else's Secret first: kept as it is, and its certificate served.
     let (ca, crt, key, _pki) = make_certificate("foreign");
     put_tls(&cluster, &crt, &key);
     let foreign = secrets.get("webhook-tls").await.unwrap();
-    let glue = Glue::start(client.clone(), settings("webhook-tls"));
+    let glue = Glue::start(client.clone(), issuing(port, "webhook-tls", validity));
     let served = eventually(
         "the foreign certificate served",
         Duration::from_secs(30),
@@ -678,18 +663,13 @@ async fn the_webhook_ca_is_replaced_without_a_failed_call_and_a_foreign_secret_i
     tokio::time::sleep(Duration::from_secs(1)).await;
 
     // Its own Secret: through a CA replacement, every call reaches the webhook.
-    let _glue = Glue::start(client.clone(), settings("webhook-own"));
+    let _glue = Glue::start(client.clone(), issuing(port, "webhook-own", validity));
     apply(&cluster, &connection_yaml("main"));
     let connections: Api<MindUstorStorageConnection> = Api::all(client.clone());
     let webhook_answers = || async {
-        merge_patch(
-            &connections,
-            "main",
-            serde_json::json!({ "spec": { "controlPlane": { "address": "https://elsewhere:23004" } } }),
-        )
-        .await
-        .err()
-        .is_some_and(|e| e.to_string().contains("cannot be changed"))
+        moved_connection_error(&connections)
+            .await
+            .contains("cannot be changed")
     };
     eventually(
         "the API server calls the webhook",

@@ -178,55 +178,20 @@ async fn round(
         .max(3);
     let now = OffsetDateTime::now_utc().unix_timestamp();
     let step = step(now, held.as_ref(), validity);
-    let next = match step {
-        Step::Nothing => {
-            let held = held.as_ref().ok_or_else(|| IssueError::Unreadable {
-                name: name.to_owned(),
-                key: CA_CRT,
-                why: "missing".into(),
-            })?;
+    // Only a Secret with a CA is renewed or left; anything else (Fresh) gets a new CA.
+    let next = match (step, &held) {
+        (Step::Nothing, Some(held)) => {
             trust(client, &settings.configuration, &held.trusted.concat()).await?;
             let renew_at = held.leaf_expires - validity / 3;
             let ca_at = held.ca_expires - 2 * validity;
             let due = renew_at.min(ca_at) - now;
             return Ok(Duration::from_secs(u64::try_from(due.max(1)).unwrap_or(1)).min(LOOK_EVERY));
         }
-        Step::Fresh | Step::NewCa => {
-            let (ca, ca_key) = new_ca(validity)?;
-            let mut trusted = vec![ca.clone()];
-            if let Some(h) = &held {
-                trusted.extend(h.trusted.iter().cloned());
-            }
-            let mut data = data.clone();
-            data.insert(CA_CRT.into(), ByteString(trusted.concat().into_bytes()));
-            data.insert(CA_KEY.into(), ByteString(ca_key.clone().into_bytes()));
-            let mut annotations = BTreeMap::new();
-            if step == Step::Fresh {
-                let (crt, key) = new_leaf(&ca, &ca_key, settings, validity)?;
-                data.insert(TLS_CRT.into(), ByteString(crt.into_bytes()));
-                data.insert(TLS_KEY.into(), ByteString(key.into_bytes()));
-                annotations.insert(SIGNED_BY.to_owned(), digest(&ca));
-            }
-            tracing::info!(
-                secret = name,
-                first = step == Step::Fresh,
-                "webhook certificate: a new CA"
-            );
-            write(&api, name, existing, data, annotations)
-                .await
-                .map_err(secret_error)?;
-            Duration::from_secs(1)
-        }
-        Step::NewLeaf => {
-            let held = held.as_ref().ok_or_else(|| IssueError::Unreadable {
-                name: name.to_owned(),
-                key: CA_CRT,
-                why: "missing".into(),
-            })?;
+        (Step::NewLeaf, Some(held)) => {
             // Served only once every configuration trusts the CA that signs it.
             trust(client, &settings.configuration, &held.trusted.concat()).await?;
-            let (crt, key) = new_leaf(&held.ca, &held.ca_key, settings, validity)?;
-            let mut data = data.clone();
+            let (crt, key) = new_leaf(&held.ca_key, settings, validity)?;
+            let mut data = data;
             data.insert(TLS_CRT.into(), ByteString(crt.into_bytes()));
             data.insert(TLS_KEY.into(), ByteString(key.into_bytes()));
             // The CAs that expired are trusted no more.
@@ -239,6 +204,32 @@ async fn round(
             data.insert(CA_CRT.into(), ByteString(live.concat().into_bytes()));
             let annotations = [(SIGNED_BY.to_owned(), digest(&held.ca))].into();
             tracing::info!(secret = name, "webhook certificate: renewed");
+            write(&api, name, existing, data, annotations)
+                .await
+                .map_err(secret_error)?;
+            Duration::from_secs(1)
+        }
+        (_, previous) => {
+            let (ca, ca_key) = new_ca(validity)?;
+            let mut trusted = vec![ca.clone()];
+            if let Some(h) = previous {
+                trusted.extend(h.trusted.iter().cloned());
+            }
+            let mut data = data;
+            data.insert(CA_CRT.into(), ByteString(trusted.concat().into_bytes()));
+            data.insert(CA_KEY.into(), ByteString(ca_key.clone().into_bytes()));
+            let mut annotations = BTreeMap::new();
+            if step == Step::Fresh {
+                let (crt, key) = new_leaf(&ca_key, settings, validity)?;
+                data.insert(TLS_CRT.into(), ByteString(crt.into_bytes()));
+                data.insert(TLS_KEY.into(), ByteString(key.into_bytes()));
+                annotations.insert(SIGNED_BY.to_owned(), digest(&ca));
+            }
+            tracing::info!(
+                secret = name,
+                first = step == Step::Fresh,
+                "webhook certificate: a new CA"
+            );
             write(&api, name, existing, data, annotations)
                 .await
                 .map_err(secret_error)?;
@@ -442,26 +433,16 @@ fn new_ca(validity: i64) -> Result<(String, String), rcgen::Error> {
     Ok((cert.pem(), key.serialize_pem()))
 }
 
-/// A serving certificate for the settings' names, signed by the CA `ca_pem` with `ca_key`.
+/// A serving certificate for the settings' names, signed with the CA's key `ca_key`.
 fn new_leaf(
-    ca_pem: &str,
     ca_key: &str,
     settings: &IssueSettings,
     validity: i64,
 ) -> Result<(String, String), IssueError> {
     let ca_key = KeyPair::from_pem(ca_key)?;
-    // The issuer's name and key are all a signature needs; both are the CA's as made here.
-    let ca_expires = expiry(ca_pem).map_err(|why| IssueError::Unreadable {
-        name: CA_NAME.into(),
-        key: CA_CRT,
-        why,
-    })?;
-    let issuer = Issuer::new(
-        ca_params(
-            OffsetDateTime::from_unix_timestamp(ca_expires).unwrap_or(OffsetDateTime::now_utc()),
-        ),
-        ca_key,
-    );
+    // A signature takes the issuer's name, key usages and key: the CA's as `new_ca` made
+    // them (its dates are not part of it).
+    let issuer = Issuer::new(ca_params(OffsetDateTime::now_utc()), ca_key);
     let key = KeyPair::generate()?;
     let mut params = CertificateParams::new(settings.names.clone())?;
     params.not_before = OffsetDateTime::now_utc() - time::Duration::minutes(5);
@@ -521,7 +502,7 @@ mod tests {
             validity: Duration::from_secs(3600),
             configuration: "c".into(),
         };
-        let (leaf, _) = new_leaf(&ca, &ca_key, &settings, 3600).unwrap();
+        let (leaf, _) = new_leaf(&ca_key, &settings, 3600).unwrap();
         let (_, ca_block) = x509_parser::pem::parse_x509_pem(ca.as_bytes()).unwrap();
         let (_, leaf_block) = x509_parser::pem::parse_x509_pem(leaf.as_bytes()).unwrap();
         let ca_cert = ca_block.parse_x509().unwrap();
