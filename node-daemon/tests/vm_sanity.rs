@@ -3,33 +3,111 @@
 //! run in the VM on every kernel line by `tests/vm/run`, which copies the suite's binaries
 //! (`tests/sanity/build`) into the guest.
 
-#![allow(clippy::unwrap_used)] // a test fails by panicking
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test fails by panicking
 
+use csi_proto::csi::controller_client::ControllerClient;
+use csi_proto::csi::volume_capability::access_mode::Mode;
+use csi_proto::csi::{NodeGetInfoRequest, NodeGetInfoResponse};
 use testkit::controller::ControllerProcess;
+use testkit::csi::*;
 use testkit::daemon::NodeDaemon;
+use testkit::kube_cluster::Kubectl;
 use testkit::sanity::{SanityEndpoint, SanityRun};
 
 mod common;
 use common::{assert_clean, status_of, CONFIG, MIB};
 
-/// Specs that fail for a reason this harness cannot remove yet, each with the reason; every
-/// one must still fail (so the list shrinks when the reason goes), and nothing else may.
-/// - Without the Kubernetes API the controller knows no node list and no node's attach limit
-///   (it reads both from CSINode objects), so it cannot refuse a node that does not exist, nor
-///   one past its limit: both need the controller run with its glue against an API server in
-///   the guest (the real-node issue). The limit itself is tested on the host
-///   (`local_backend`'s attach-limit test) and against the API server (`kube_nodes`).
-const KNOWN_FAILING: &[&str] = &[
-    "ControllerPublishVolume should fail when the node does not exist",
-    "ControllerPublishVolume should fail when publishing more volumes than the node max attach limit",
-];
+/// The host's control plane, as `tests/vm/run` hands it to the guest: the controller runs
+/// with its Kubernetes glue against it, so it knows which nodes exist and their attach limits
+/// (from CSINodes) as in a cluster, and csi-sanity's specs of both are real.
+fn control_plane() -> Kubectl {
+    let kubeconfig = std::env::var_os("USTOR_KUBECONFIG").expect(
+        "USTOR_KUBECONFIG is not set: tests/vm/run starts a control plane for the tests named *sanity*",
+    );
+    Kubectl {
+        binary: "kubectl".into(),
+        kubeconfig: kubeconfig.into(),
+    }
+}
+
+/// The node's registration as kubelet makes it from the daemon's NodeGetInfo (no kubelet runs
+/// in this guest): a CSINode with our driver, the node's id and its attach limit. Made anew,
+/// since a CSINode's driver entries cannot be changed.
+fn register_node(kube: &Kubectl, info: &NodeGetInfoResponse) {
+    let name = &info.node_id;
+    let keys: Vec<String> = info
+        .accessible_topology
+        .iter()
+        .flat_map(|t| t.segments.keys())
+        .map(|k| format!("{k:?}"))
+        .collect();
+    kube.ok(
+        &["delete", "csinode", name, "--ignore-not-found", "--wait"],
+        None,
+    )
+    .unwrap();
+    let csinode = format!(
+        "apiVersion: storage.k8s.io/v1\nkind: CSINode\nmetadata:\n  name: {name}\nspec:\n  drivers:\n\
+         \x20 - name: {}\n    nodeID: {name}\n    topologyKeys: [{}]\n    allocatable:\n      count: {}\n",
+        csi_common::DRIVER_NAME,
+        keys.join(", "),
+        info.max_volumes_per_node
+    );
+    kube.ok(&["create", "-f", "-"], Some(&csinode)).unwrap();
+}
+
+/// Waits until the controller's list of nodes has loaded (before that a publication is
+/// UNAVAILABLE, which csi-sanity would count as a failure), by publishing a probe volume to
+/// the registered node; then removes the probe.
+async fn wait_nodes_listed(ctrl: &mut ControllerClient<tonic::transport::Channel>, node: &str) {
+    let cap = mount_capability("ext4", Mode::SingleNodeWriter);
+    let volume = created_volume(
+        ctrl,
+        create_volume_request("nodes-listed", 16 << 20, cap.clone()),
+    )
+    .await
+    .volume_id;
+    let patience = std::time::Duration::from_secs(60);
+    testkit::wait::eventually("the controller's list of nodes", patience, || {
+        let (mut ctrl, request) = (
+            ctrl.clone(),
+            controller_publish_request(&volume, node, cap.clone()),
+        );
+        async move {
+            match ctrl.controller_publish_volume(request).await {
+                Ok(_) => Some(()),
+                Err(status) if status.code() == tonic::Code::Unavailable => None,
+                Err(status) => panic!("ControllerPublishVolume to {node}: {status:?}"),
+            }
+        }
+    })
+    .await;
+    ctrl.controller_unpublish_volume(controller_unpublish_request(&volume, node))
+        .await
+        .unwrap();
+    ctrl.delete_volume(delete_volume_request(&volume))
+        .await
+        .unwrap();
+}
 
 async fn sanity(access_type: &str, binary: &str) {
-    let (controller, _client) = ControllerProcess::start("sanity").await.unwrap();
+    let kube = control_plane();
     // A small attach limit: the attach-limit spec creates and publishes that many volumes.
     let config = format!("{CONFIG}max-volumes = 8\n");
     let mut daemon = NodeDaemon::new("sanity-node", &config).unwrap();
-    let _node = daemon.start(None).await;
+    let mut node = daemon.start(None).await;
+    let info = node
+        .node
+        .node_get_info(NodeGetInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(info.max_volumes_per_node, 8, "{info:?}");
+    register_node(&kube, &info);
+    let (controller, mut ctrl) = ControllerProcess::start_with("sanity", Some(&kube.kubeconfig))
+        .await
+        .unwrap();
+    wait_nodes_listed(&mut ctrl, &info.node_id).await;
     let endpoint = SanityEndpoint::start(&daemon.socket, &controller.socket)
         .await
         .unwrap();
@@ -63,16 +141,8 @@ async fn sanity(access_type: &str, binary: &str) {
         report.count("skipped")
     );
     assert!(report.count("passed") > 50, "{report:?}");
-    let known = |name: &str| KNOWN_FAILING.iter().any(|k| name.contains(k));
     let failed: Vec<&String> = report.failures.iter().map(|(name, _)| name).collect();
-    let unexpected: Vec<&&String> = failed.iter().filter(|name| !known(name)).collect();
-    assert!(unexpected.is_empty(), "failed: {unexpected:?}");
-    for k in KNOWN_FAILING {
-        assert!(
-            failed.iter().any(|name| name.contains(k)),
-            "{k:?} passes now: take it off KNOWN_FAILING"
-        );
-    }
+    assert!(failed.is_empty(), "failed: {failed:?}");
     assert_eq!(
         skipped,
         Vec::<String>::new(),
@@ -80,6 +150,8 @@ async fn sanity(access_type: &str, binary: &str) {
     );
 
     drop(endpoint);
+    kube.ok(&["delete", "csinode", &info.node_id], None)
+        .unwrap();
     let (code, status) = status_of(&daemon);
     assert_eq!(code, 0, "{status}");
     assert_clean(&daemon);

@@ -1,7 +1,7 @@
 //! The controller as a real child process with its local backend and export server (the
 //! grant gate listens on `--local-listen`, nbdkit behind it on a unix socket).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -27,12 +27,25 @@ pub struct ControllerProcess {
 impl ControllerProcess {
     /// Starts `ustor-csi-controller serve --backend local` and waits until it answers.
     pub async fn start(cluster_id: &str) -> std::io::Result<(Self, ControllerClient<Channel>)> {
+        Self::start_with(cluster_id, None).await
+    }
+
+    /// Like [`start`](Self::start), with the Kubernetes glue (`--kubernetes`) run against the
+    /// API server of `kubeconfig` when one is given: nodes are then known from their CSINodes.
+    pub async fn start_with(
+        cluster_id: &str,
+        kubeconfig: Option<&Path>,
+    ) -> std::io::Result<(Self, ControllerClient<Channel>)> {
         let dir = tempfile::Builder::new().prefix("controller").tempdir()?;
         let socket = dir.path().join("csi.sock");
         let store = dir.path().join("store");
         let listen = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
-        let child = Command::new(binary())
-            .arg("serve")
+        let mut command = Command::new(binary());
+        command.arg("serve");
+        if let Some(kubeconfig) = kubeconfig {
+            command.arg("--kubernetes").env("KUBECONFIG", kubeconfig);
+        }
+        let child = command
             .arg("--csi-endpoint")
             .arg(format!("unix://{}", socket.display()))
             .args(["--backend", "local", "--cluster-id", cluster_id])

@@ -66,7 +66,8 @@ impl KubeCluster {
         if !made.success() {
             return Err(io::Error::other("openssl genrsa failed"));
         }
-        let token = format!("test-{}", std::process::id());
+        // Random: the API server listens on this machine's loopback, open to its other users.
+        let token = random_token()?;
         std::fs::write(
             root.join("tokens.csv"),
             format!("{token},admin,admin,\"system:masters\"\n"),
@@ -74,14 +75,7 @@ impl KubeCluster {
         let port = free_port()?;
         let url = format!("https://127.0.0.1:{port}");
         let kubeconfig = root.join("kubeconfig");
-        std::fs::write(
-            &kubeconfig,
-            format!(
-                "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: {url}\n    \
-                 insecure-skip-tls-verify: true\nusers:\n- name: admin\n  user:\n    token: {token}\n\
-                 contexts:\n- name: test\n  context:\n    cluster: test\n    user: admin\ncurrent-context: test\n"
-            ),
-        )?;
+        std::fs::write(&kubeconfig, kubeconfig_text(&url, &token))?;
         let mut me = Self {
             dir,
             etcd,
@@ -197,19 +191,86 @@ impl KubeCluster {
         lines[lines.len().saturating_sub(20)..].join("\n")
     }
 
-    /// Runs the cached kubectl (the API server's own version) against this cluster.
+    /// The API server's port on loopback.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// A kubeconfig of this cluster's admin that names the API server as `server` (an
+    /// address by which another machine, such as a VM guest, reaches it), and verifies it:
+    /// against the CA of the certificate the API server made itself, by a name that
+    /// certificate holds whatever the address.
+    pub fn kubeconfig_via(&self, server: &str) -> io::Result<String> {
+        use base64::Engine as _;
+        // The serving certificate, then its CA (kube-apiserver's self-signed pair).
+        let chain = std::fs::read(self.root().join("certs").join("apiserver.crt"))?;
+        let ca = base64::engine::general_purpose::STANDARD.encode(chain);
+        Ok(format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: {server}\n    \
+             certificate-authority-data: {ca}\n    tls-server-name: kubernetes.default.svc\n\
+             users:\n- name: admin\n  user:\n    token: {}\n\
+             contexts:\n- name: test\n  context:\n    cluster: test\n    user: admin\ncurrent-context: test\n",
+            self.token
+        ))
+    }
+
+    /// The cached kubectl (the API server's own version) for this cluster.
+    pub fn kubectl_tool(&self) -> Kubectl {
+        Kubectl {
+            binary: bin_dir().join("kubectl"),
+            kubeconfig: self.kubeconfig.clone(),
+        }
+    }
+
+    /// Runs the cached kubectl against this cluster.
     pub fn kubectl(&self, args: &[&str]) -> io::Result<Output> {
-        Command::new(bin_dir().join("kubectl"))
+        self.kubectl_tool().run(args)
+    }
+
+    /// Like [`kubectl`](Self::kubectl) with `stdin` fed to it (`apply -f -`).
+    pub fn kubectl_stdin(&self, args: &[&str], stdin: &str) -> io::Result<Output> {
+        self.kubectl_tool().run_stdin(args, stdin)
+    }
+}
+
+fn random_token() -> io::Result<String> {
+    let mut bytes = [0u8; 16];
+    ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut bytes)
+        .map_err(|_| io::Error::other("no random bytes for the API server's token"))?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// A kubeconfig with one cluster (TLS unverified: the test API server's certificate is its
+/// own self-signed one) and one user, the bearer `token`'s.
+fn kubeconfig_text(server: &str, token: &str) -> String {
+    format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: {server}\n    \
+         insecure-skip-tls-verify: true\nusers:\n- name: admin\n  user:\n    token: {token}\n\
+         contexts:\n- name: test\n  context:\n    cluster: test\n    user: admin\ncurrent-context: test\n"
+    )
+}
+
+/// kubectl with a kubeconfig: of a cluster this process started, or of one it is handed (a
+/// VM guest gets the host's control plane this way, see `tests/vm/run`).
+#[derive(Debug, Clone)]
+pub struct Kubectl {
+    pub binary: PathBuf,
+    pub kubeconfig: PathBuf,
+}
+
+impl Kubectl {
+    pub fn run(&self, args: &[&str]) -> io::Result<Output> {
+        Command::new(&self.binary)
             .arg("--kubeconfig")
             .arg(&self.kubeconfig)
             .args(args)
             .output()
     }
 
-    /// Like [`kubectl`](Self::kubectl) with `stdin` fed to it (`apply -f -`).
-    pub fn kubectl_stdin(&self, args: &[&str], stdin: &str) -> io::Result<Output> {
+    /// Like [`run`](Self::run) with `stdin` fed to it (`apply -f -`).
+    pub fn run_stdin(&self, args: &[&str], stdin: &str) -> io::Result<Output> {
         use std::io::Write;
-        let mut child = Command::new(bin_dir().join("kubectl"))
+        let mut child = Command::new(&self.binary)
             .arg("--kubeconfig")
             .arg(&self.kubeconfig)
             .args(args)
@@ -223,6 +284,23 @@ impl KubeCluster {
             .ok_or_else(|| io::Error::other("kubectl stdin"))?
             .write_all(stdin.as_bytes())?;
         child.wait_with_output()
+    }
+
+    /// [`run`](Self::run) or [`run_stdin`](Self::run_stdin), and an error with kubectl's own
+    /// words when it fails.
+    pub fn ok(&self, args: &[&str], stdin: Option<&str>) -> io::Result<String> {
+        let out = match stdin {
+            Some(text) => self.run_stdin(args, text)?,
+            None => self.run(args)?,
+        };
+        if !out.status.success() {
+            return Err(io::Error::other(format!(
+                "kubectl {}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr).trim()
+            )));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
 }
 
