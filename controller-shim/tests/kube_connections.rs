@@ -159,6 +159,37 @@ async fn a_connection_names_what_is_wrong_and_logs_in_by_the_products_rules() {
         "the refused credentials were tried again within the pause"
     );
 
+    // Credentials uStor's password policy rules out are never sent: Failed, naming the rule
+    // (never the password).
+    put_secret(
+        &cluster,
+        "creds",
+        &[("username", "csi-user"), ("password", "S3cret@9")],
+    );
+    wait_connection(&api, "main", "a hyphen in the user name", |s| {
+        reason_has(s, "user name has a hyphen")
+    })
+    .await;
+    put_secret(
+        &cluster,
+        "creds",
+        &[("username", "csi"), ("password", "S3cret#9")],
+    );
+    let breach = wait_connection(&api, "main", "a special character", |s| {
+        reason_has(s, "special character other than @$!%*?&")
+    })
+    .await;
+    assert_eq!(breach.phase, Some(Phase::Failed));
+    assert!(
+        !breach.reason.unwrap_or_default().contains("S3cret#9"),
+        "the password shows in the status"
+    );
+    assert_eq!(
+        ustor.logins(),
+        logins,
+        "a login was spent on credentials uStor cannot accept"
+    );
+
     // The right password: logged in again within seconds.
     put_secret(
         &cluster,

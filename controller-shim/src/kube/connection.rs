@@ -402,13 +402,21 @@ async fn prepare(
         Err(reason) => return Ok(Err(reason)),
     };
     let fingerprint = credentials_digest(&ctx.key, &credentials).ok_or(GlueError::KeyNotLoaded)?;
-    session.credentials.set(
-        Credentials::new(
-            text(&credentials, "username"),
-            text(&credentials, "password"),
-        )
-        .with_fingerprint(fingerprint.clone()),
+    let pair = Credentials::new(
+        text(&credentials, "username"),
+        text(&credentials, "password"),
     );
+    // Said on the connection before any login: uStor would refuse one and count it.
+    if let Some(breach) = pair.policy_breach() {
+        return Ok(Err(format!(
+            "Secret {ns}/{} (spec.controlPlane.credentialsSecretName): {breach}; no login is tried \
+             with it (uStor locks the user after 3 failed logins)",
+            spec.control_plane.credentials_secret_name
+        )));
+    }
+    session
+        .credentials
+        .set(pair.with_fingerprint(fingerprint.clone()));
     // What another replica, session or run was refused, this session knows before its next
     // login, whichever call asks for it.
     if let Some(refused) = connection

@@ -205,7 +205,8 @@ fn credentials(e: &CredentialsError) -> Code {
     match e {
         CredentialsError::NotRead
         | CredentialsError::Read { .. }
-        | CredentialsError::Empty { .. } => Code::FailedPrecondition,
+        | CredentialsError::Empty { .. }
+        | CredentialsError::AgainstPolicy(_) => Code::FailedPrecondition,
     }
 }
 

@@ -11,7 +11,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio::sync::Mutex;
 
-use super::credentials::CredentialSource;
+use super::credentials::{CredentialSource, CredentialsError};
 use super::error::{ApiCall, UstorError};
 use super::login::{Decision, Hold, LoginPolicy, Refusal, Timing};
 
@@ -195,6 +195,10 @@ impl UstorApi {
 
     async fn login_locked(&self, session: &mut Session) -> Result<(), UstorError> {
         let credentials = self.credentials.read()?;
+        if let Some(breach) = credentials.policy_breach() {
+            session.token = None;
+            return Err(CredentialsError::AgainstPolicy(breach).into());
+        }
         let fingerprint = credentials.fingerprint();
         let now = (self.clock)();
         if let Some(record) = &self.refusals {

@@ -18,7 +18,24 @@ pub enum CredentialsError {
     },
     #[error("uStor credentials: {} is empty", path.display())]
     Empty { path: PathBuf },
+    /// uStor's password policy rules them out: a login would be refused, and count towards
+    /// locking the user, so none is tried.
+    #[error("uStor credentials: {0}; no login is tried with them (a refused one counts towards locking the user)")]
+    AgainstPolicy(PolicyBreach),
 }
+
+/// What uStor's password policy (the old product's guide) never accepts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum PolicyBreach {
+    #[error("the user name has a hyphen, which uStor does not allow in user names")]
+    HyphenInUserName,
+    /// Which character is not said: it is part of the password.
+    #[error("the password has a special character other than {PASSWORD_SPECIALS}, the only ones uStor allows")]
+    PasswordCharacter,
+}
+
+/// The only characters other than letters and digits a uStor password may have.
+pub const PASSWORD_SPECIALS: &str = "@$!%*?&";
 
 #[derive(Clone, PartialEq, Eq)]
 pub struct Credentials {
@@ -47,6 +64,15 @@ impl Credentials {
     /// For the login request body only.
     pub fn password(&self) -> &str {
         &self.password
+    }
+
+    /// What uStor's password policy would refuse in them, if anything.
+    pub fn policy_breach(&self) -> Option<PolicyBreach> {
+        if self.username.contains('-') {
+            return Some(PolicyBreach::HyphenInUserName);
+        }
+        let allowed = |c: char| c.is_alphanumeric() || PASSWORD_SPECIALS.contains(c);
+        (!self.password.chars().all(allowed)).then_some(PolicyBreach::PasswordCharacter)
     }
 
     /// Identifies these credentials without revealing them: the login rules remember which
@@ -161,5 +187,24 @@ mod tests {
 
         std::fs::write(dir.path().join("password"), "").unwrap();
         assert!(matches!(source.read(), Err(CredentialsError::Empty { .. })));
+    }
+
+    #[test]
+    fn what_the_password_policy_refuses_is_named_without_the_password() {
+        let ok = Credentials::new("csi", "Zz9@$!%*?&");
+        assert_eq!(ok.policy_breach(), None);
+        // Letters of any alphabet are letters.
+        assert_eq!(Credentials::new("csi", "Пароль1!").policy_breach(), None);
+        assert_eq!(
+            Credentials::new("csi-user", "S3cret@1").policy_breach(),
+            Some(PolicyBreach::HyphenInUserName)
+        );
+        for password in ["S3cret#1", "with space", "dot.", "dash-"] {
+            let breach = Credentials::new("csi", password).policy_breach();
+            assert_eq!(breach, Some(PolicyBreach::PasswordCharacter), "{password}");
+            let told = CredentialsError::AgainstPolicy(breach.unwrap()).to_string();
+            assert!(!told.contains(password), "{told}");
+            assert!(told.contains(PASSWORD_SPECIALS), "{told}");
+        }
     }
 }

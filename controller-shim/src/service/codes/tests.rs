@@ -6,6 +6,7 @@ use std::time::Duration;
 use reqwest::Method;
 
 use super::*;
+use crate::backend::ustor::credentials::PolicyBreach;
 use crate::backend::ustor::error::{ApiCall, ApiReply};
 use crate::backend::ustor::login::Hold;
 use crate::ids::{Handle, Kind};
@@ -351,6 +352,12 @@ fn any_rpc() -> Vec<(Error, Code)> {
         ),
         (
             UstorError::Credentials(CredentialsError::Empty { path: path.clone() }),
+            FailedPrecondition,
+        ),
+        (
+            UstorError::Credentials(CredentialsError::AgainstPolicy(
+                PolicyBreach::HyphenInUserName,
+            )),
             FailedPrecondition,
         ),
         (UstorError::CaCertificate(http_error()), FailedPrecondition),
