@@ -22,6 +22,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 use testkit::kube_cluster::KubeCluster;
+use testkit::tls::TestPki;
 pub use testkit::wait::eventually;
 use tokio::task::JoinHandle;
 use tonic::transport::Channel;
@@ -300,4 +301,107 @@ pub async fn wait_connection(
 
 pub fn reason_has(status: &controller_shim::kube::crd::ConnectionStatus, text: &str) -> bool {
     status.reason.as_deref().is_some_and(|r| r.contains(text))
+}
+
+/// A CA and a serving certificate for 127.0.0.1 signed by it (testkit's PKI): the CA's PEM,
+/// the certificate and key files as `kubectl create secret tls` takes them, and the PKI that
+/// holds them.
+pub fn make_certificate(tag: &str) -> (Vec<u8>, String, String, TestPki) {
+    let pki = TestPki::new(&format!("{tag}-ca")).unwrap();
+    let path = |name: &str| pki.file(name).display().to_string();
+    (
+        std::fs::read(pki.file("ca-cert.pem")).unwrap(),
+        path("server-cert.pem"),
+        path("server-key.pem"),
+        pki,
+    )
+}
+
+/// deploy/webhook.yaml's webhook configurations, each webhook pointed at its path under
+/// `base` (`https://127.0.0.1:<port>`) with `ca`: the rules under test are the shipped ones.
+pub fn webhook_configuration(base: &str, ca: &[u8]) -> String {
+    let shipped = include_str!("../../../deploy/webhook.yaml");
+    let configs = shipped
+        .split("\n---\n")
+        .filter(|d| d.contains("WebhookConfiguration"))
+        .map(|document| {
+            let mut config: serde_json::Value = serde_yaml_ng::from_str(document).unwrap();
+            for hook in config["webhooks"].as_array_mut().unwrap() {
+                let path = hook["clientConfig"]["service"]["path"].as_str().unwrap();
+                hook["clientConfig"] = serde_json::json!({
+                    "url": format!("{base}{path}"),
+                    // ByteString serializes as base64, as caBundle is written.
+                    "caBundle": k8s_openapi::ByteString(ca.to_vec()),
+                });
+            }
+            config
+        })
+        .collect::<Vec<_>>();
+    serde_json::json!({ "apiVersion": "v1", "kind": "List", "items": configs }).to_string()
+}
+
+/// The webhook's serving certificate, as the operator puts it (`kubectl create secret tls`).
+pub fn put_tls(cluster: &KubeCluster, crt: &str, key: &str) {
+    let yaml = cluster
+        .kubectl(&[
+            "create",
+            "secret",
+            "tls",
+            "webhook-tls",
+            "-n",
+            "d8-csi-mind-ustor",
+            "--cert",
+            crt,
+            "--key",
+            key,
+            "--dry-run=client",
+            "-o",
+            "yaml",
+        ])
+        .unwrap();
+    apply(cluster, &String::from_utf8_lossy(&yaml.stdout));
+}
+
+/// The glue with the webhook on a free port (the migration users the shipped default, the
+/// test's admin the controller), and the webhook configuration pointing at it: its base URL.
+pub fn glue_with_webhook(cluster: &KubeCluster, client: kube::Client, ca: &[u8]) -> (Glue, String) {
+    use controller_shim::kube::webhook::WebhookSettings;
+    let port = testkit::free_port().unwrap();
+    let glue = Glue::start(
+        client,
+        Settings {
+            webhook: Some(WebhookSettings {
+                listen: ([127, 0, 0, 1], port).into(),
+                cert_secret: "webhook-tls".into(),
+                issue: None,
+                migration_users: vec!["system:serviceaccount:d8-virtualization:*".into()],
+                // The glue writes with the test's admin user.
+                controller_user: "admin".into(),
+            }),
+            ..test_settings()
+        },
+    );
+    let base = format!("https://127.0.0.1:{port}");
+    apply(cluster, &webhook_configuration(&base, ca));
+    (glue, base)
+}
+
+/// `kubectl create -f -` of `yaml` as `user` (with admin rights, so only the webhook can
+/// refuse): the refusal's message, or None when created.
+pub fn create_as(cluster: &KubeCluster, user: &str, yaml: &str) -> Option<String> {
+    let out = cluster
+        .kubectl_stdin(
+            &[
+                "create",
+                "--as",
+                user,
+                "--as-group",
+                "system:masters",
+                "-f",
+                "-",
+            ],
+            yaml,
+        )
+        .unwrap();
+    (!out.status.success()).then(|| String::from_utf8_lossy(&out.stderr).into_owned())
 }
