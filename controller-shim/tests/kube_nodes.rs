@@ -72,11 +72,7 @@ async fn controller_publish_to_a_node_without_our_driver_is_not_found() {
 fn register_limited_node(cluster: &KubeCluster, name: &str, count: u32) {
     apply(
         cluster,
-        &format!(
-            "apiVersion: storage.k8s.io/v1\nkind: CSINode\nmetadata:\n  name: {name}\nspec:\n  drivers:\n\
-             \x20 - name: {}\n    nodeID: {name}\n    allocatable:\n      count: {count}\n",
-            csi_common::DRIVER_NAME,
-        ),
+        &testkit::kube_cluster::csinode_yaml(name, &[], Some(i64::from(count))),
     );
 }
 

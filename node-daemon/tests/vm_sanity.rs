@@ -11,7 +11,7 @@ use csi_proto::csi::{NodeGetInfoRequest, NodeGetInfoResponse};
 use testkit::controller::ControllerProcess;
 use testkit::csi::*;
 use testkit::daemon::NodeDaemon;
-use testkit::kube_cluster::Kubectl;
+use testkit::kube_cluster::{csinode_yaml, Kubectl};
 use testkit::sanity::{SanityEndpoint, SanityRun};
 
 mod common;
@@ -35,24 +35,18 @@ fn control_plane() -> Kubectl {
 /// since a CSINode's driver entries cannot be changed.
 fn register_node(kube: &Kubectl, info: &NodeGetInfoResponse) {
     let name = &info.node_id;
-    let keys: Vec<String> = info
+    let keys: Vec<&str> = info
         .accessible_topology
         .iter()
         .flat_map(|t| t.segments.keys())
-        .map(|k| format!("{k:?}"))
+        .map(String::as_str)
         .collect();
     kube.ok(
         &["delete", "csinode", name, "--ignore-not-found", "--wait"],
         None,
     )
     .unwrap();
-    let csinode = format!(
-        "apiVersion: storage.k8s.io/v1\nkind: CSINode\nmetadata:\n  name: {name}\nspec:\n  drivers:\n\
-         \x20 - name: {}\n    nodeID: {name}\n    topologyKeys: [{}]\n    allocatable:\n      count: {}\n",
-        csi_common::DRIVER_NAME,
-        keys.join(", "),
-        info.max_volumes_per_node
-    );
+    let csinode = csinode_yaml(name, &keys, Some(info.max_volumes_per_node));
     kube.ok(&["create", "-f", "-"], Some(&csinode)).unwrap();
 }
 

@@ -64,12 +64,9 @@ pub fn test_settings() -> Settings {
 
 /// `kubectl apply -f -` of `yaml`; panics with kubectl's words when it fails.
 pub fn apply(cluster: &KubeCluster, yaml: &str) {
-    let out = cluster.kubectl_stdin(&["apply", "-f", "-"], yaml).unwrap();
-    assert!(
-        out.status.success(),
-        "kubectl apply: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    if let Err(e) = cluster.kubectl_tool().ok(&["apply", "-f", "-"], Some(yaml)) {
+        panic!("{e}");
+    }
 }
 
 /// Installs the CRDs as an operator would, from the committed file, and waits until served.
@@ -124,13 +121,9 @@ where
 
 /// `kubectl` with `args`; panics with kubectl's words when it fails.
 pub fn kubectl_ok(cluster: &KubeCluster, args: &[&str]) {
-    let out = cluster.kubectl(args).unwrap();
-    assert!(
-        out.status.success(),
-        "kubectl {}: {}",
-        args.join(" "),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    if let Err(e) = cluster.kubectl_tool().ok(args, None) {
+        panic!("{e}");
+    }
 }
 
 pub fn connection_yaml(name: &str) -> String {
@@ -264,12 +257,7 @@ pub fn stand_in_crd(group: &str, version: &str, kind: &str, plural: &str, scope:
 pub fn register_node(cluster: &KubeCluster, name: &str) {
     apply(
         cluster,
-        &format!(
-            "apiVersion: storage.k8s.io/v1\nkind: CSINode\nmetadata:\n  name: {name}\nspec:\n  drivers:\n\
-             \x20 - name: {}\n    nodeID: {name}\n    topologyKeys: [\"{}\"]\n",
-            csi_common::DRIVER_NAME,
-            csi_common::TOPOLOGY_KEY
-        ),
+        &testkit::kube_cluster::csinode_yaml(name, &[csi_common::TOPOLOGY_KEY], None),
     );
 }
 

@@ -75,7 +75,10 @@ impl KubeCluster {
         let port = free_port()?;
         let url = format!("https://127.0.0.1:{port}");
         let kubeconfig = root.join("kubeconfig");
-        std::fs::write(&kubeconfig, kubeconfig_text(&url, &token))?;
+        std::fs::write(
+            &kubeconfig,
+            kubeconfig_text(&url, "insecure-skip-tls-verify: true", &token),
+        )?;
         let mut me = Self {
             dir,
             etcd,
@@ -205,13 +208,10 @@ impl KubeCluster {
         // The serving certificate, then its CA (kube-apiserver's self-signed pair).
         let chain = std::fs::read(self.root().join("certs").join("apiserver.crt"))?;
         let ca = base64::engine::general_purpose::STANDARD.encode(chain);
-        Ok(format!(
-            "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: {server}\n    \
-             certificate-authority-data: {ca}\n    tls-server-name: kubernetes.default.svc\n\
-             users:\n- name: admin\n  user:\n    token: {}\n\
-             contexts:\n- name: test\n  context:\n    cluster: test\n    user: admin\ncurrent-context: test\n",
-            self.token
-        ))
+        let tls = format!(
+            "certificate-authority-data: {ca}\n    tls-server-name: kubernetes.default.svc"
+        );
+        Ok(kubeconfig_text(server, &tls, &self.token))
     }
 
     /// The cached kubectl (the API server's own version) for this cluster.
@@ -240,13 +240,28 @@ fn random_token() -> io::Result<String> {
     Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 
-/// A kubeconfig with one cluster (TLS unverified: the test API server's certificate is its
-/// own self-signed one) and one user, the bearer `token`'s.
-fn kubeconfig_text(server: &str, token: &str) -> String {
+/// A kubeconfig with one cluster, its TLS settings `tls` (lines of the cluster entry), and
+/// one user, the bearer `token`'s.
+fn kubeconfig_text(server: &str, tls: &str, token: &str) -> String {
     format!(
         "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: {server}\n    \
-         insecure-skip-tls-verify: true\nusers:\n- name: admin\n  user:\n    token: {token}\n\
+         {tls}\nusers:\n- name: admin\n  user:\n    token: {token}\n\
          contexts:\n- name: test\n  context:\n    cluster: test\n    user: admin\ncurrent-context: test\n"
+    )
+}
+
+/// A CSINode as kubelet's registration writes it for a node running our node service: our
+/// driver with the node's id, its topology keys and, when it has one, its attach limit.
+pub fn csinode_yaml(node_id: &str, topology_keys: &[&str], attach_limit: Option<i64>) -> String {
+    let keys: Vec<String> = topology_keys.iter().map(|k| format!("{k:?}")).collect();
+    let allocatable = attach_limit
+        .map(|count| format!("    allocatable:\n      count: {count}\n"))
+        .unwrap_or_default();
+    format!(
+        "apiVersion: storage.k8s.io/v1\nkind: CSINode\nmetadata:\n  name: {node_id}\nspec:\n  drivers:\n\
+         \x20 - name: {}\n    nodeID: {node_id}\n    topologyKeys: [{}]\n{allocatable}",
+        csi_common::DRIVER_NAME,
+        keys.join(", ")
     )
 }
 
