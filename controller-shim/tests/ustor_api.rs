@@ -70,7 +70,7 @@ async fn every_refusal_is_named() {
         "LoginRejected",
     ] {
         server.set_user("csi", "pw", Some(reason));
-        secret(dir.path(), "csi", &format!("pw-{reason}"));
+        secret(dir.path(), "csi", &format!("pw@{reason}"));
         let api = client(&server.url(), dir.path(), &TestClock::new());
         let err = api.login().await.unwrap_err();
         assert!(matches!(err, UstorError::LoginRefused { .. }), "{err}");
@@ -78,7 +78,7 @@ async fn every_refusal_is_named() {
         assert!(err.to_string().contains(reason), "{err}");
         assert!(!err.to_string().contains("invalid credentials"));
         assert!(
-            !err.to_string().contains("pw-"),
+            !err.to_string().contains("pw@"),
             "the password never shows: {err}"
         );
     }
