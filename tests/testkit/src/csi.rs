@@ -95,6 +95,7 @@ pub fn stage_request(
         publish_context: HashMap::new(),
         staging_target_path: staging.display().to_string(),
         volume_capability: Some(cap),
+        secrets: HashMap::new(),
         volume_context: context(uri),
     }
 }
@@ -147,6 +148,7 @@ pub fn expand_request(
         }),
         staging_target_path: staging.display().to_string(),
         volume_capability: None,
+        secrets: HashMap::new(),
     }
 }
 
