@@ -48,7 +48,7 @@ pub enum TlsError {
     Config(String),
     #[error("{0:?} is not a valid TLS server name")]
     ServerName(String),
-    #[error("an nbds:// URI needs TLS files in the node's configuration (tls-ca-file)")]
+    #[error("an nbds:// URI needs TLS material: a node-stage secret with ca.crt (the StorageClass names it), or tls-ca-file in the node's configuration")]
     NotConfigured,
     #[error("TLS handshake: {0}")]
     Handshake(std::io::Error),

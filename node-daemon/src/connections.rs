@@ -323,6 +323,7 @@ mod tests {
                 uri: "nbd://h/x".into(),
                 connections,
                 tls_profile: None,
+                stage_tls: None,
                 grant: None,
             },
             "/staging".into(),

@@ -18,6 +18,7 @@ pub use crate::connections::ConnectionsError;
 pub use crate::ids::IdError;
 pub use crate::journal::JournalError;
 pub use crate::request::RequestError;
+pub use crate::stage_tls::StageTlsError;
 pub use crate::volumes::expand::ExpandError;
 pub use crate::volumes::lifecycle::IllegalTransition;
 pub use crate::volumes::publish::PublishError;
@@ -37,6 +38,9 @@ pub enum NodeError {
     Publish(#[from] PublishError),
     #[error(transparent)]
     Expand(#[from] ExpandError),
+    /// The node-stage secret's TLS material: unusable as given, or not kept.
+    #[error(transparent)]
+    StageTls(#[from] StageTlsError),
 
     /// Recovery has not finished: no call acts on a half-known state.
     #[error("the node daemon is still recovering its attachments; retry shortly")]

@@ -256,6 +256,7 @@ mod tests {
                 uri: "nbd://h:10809/x".into(),
                 connections: 1,
                 tls_profile: None,
+                stage_tls: None,
                 grant: None,
             },
             "/s".into(),

@@ -35,6 +35,7 @@ pub mod repair;
 pub mod request;
 pub mod server;
 pub mod service;
+pub mod stage_tls;
 pub mod state_lock;
 pub mod status;
 pub mod support_bundle;

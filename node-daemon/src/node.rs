@@ -21,6 +21,7 @@ use crate::kernel::{Host, Kernel, Mounts, Tools};
 use crate::locks::VolumeLocks;
 use crate::metrics::Metrics;
 use crate::record::{Export, Record, TcpConnection};
+use crate::stage_tls::{StageTls, StageTlsStore};
 
 /// Health of a volume's link to its export, as the healer last saw it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -283,6 +284,11 @@ impl Node {
             Ok::<_, NodeError>(())
         })?;
         lock(&self.journal_turns).remove(volume);
+        // After the record: a crash between the two leaves files that the next start sweeps,
+        // never a record whose dials find no material.
+        if let Err(e) = self.stage_tls().remove(volume) {
+            tracing::warn!(%volume, error = %e, "could not remove the volume's TLS material; the next start removes it");
+        }
         self.held.forget(volume);
         self.set_link(volume, Link::Up);
         lock(&self.links).remove(volume);
@@ -392,6 +398,37 @@ impl Node {
         Some(found)
     }
 
+    /// The store of the TLS material NodeStage's secrets deliver.
+    pub(crate) fn stage_tls(&self) -> StageTlsStore {
+        StageTlsStore::new(&self.settings.state_dir)
+    }
+
+    /// Keeps `tls` (a NodeStage's or NodeExpand's secrets) for `volume` if its export dials
+    /// with it, and returns what `export.stage_tls` is to name. A volume already dialing with
+    /// such material takes the newer; otherwise an `nbds://` export whose TLS this node's own
+    /// configuration does not provide starts to. Without `tls` nothing changes.
+    pub(crate) fn keep_stage_tls(
+        &self,
+        volume: &str,
+        export: &Export,
+        tls: Option<&StageTls>,
+    ) -> Result<Option<PathBuf>, NodeError> {
+        let Some(tls) = tls else {
+            return Ok(export.stage_tls.clone());
+        };
+        let encrypted = export.uri.parse::<NbdUri>().is_ok_and(|u| u.tls());
+        let node_files = matches!(
+            self.settings.tls_for(export.tls_profile.as_deref()),
+            Ok(Some(_))
+        );
+        if export.stage_tls.is_none() && (!encrypted || node_files) {
+            return Ok(None);
+        }
+        let dir = self.stage_tls().write(volume, tls)?;
+        tracing::info!(%volume, "TLS material of the node-stage secret kept for the volume's dials");
+        Ok(Some(dir))
+    }
+
     pub(crate) fn attach_options(
         &self,
         identifier: BackendId,
@@ -408,13 +445,16 @@ impl Node {
     /// every dial (stage, expansion, healing), naming the table to add: dialing without it
     /// would only say that TLS files are missing.
     pub(crate) fn dial_options(&self, export: &Export) -> Result<DialOptions, NodeError> {
-        let tls = self
-            .settings
-            .tls_for(export.tls_profile.as_deref())
-            .map_err(|name| NodeError::UnknownTlsProfile {
-                uri: export.uri.clone(),
-                profile: name.to_owned(),
-            })?;
+        let tls = match &export.stage_tls {
+            Some(dir) => Some(Arc::new(crate::stage_tls::files_in(dir))),
+            None => self
+                .settings
+                .tls_for(export.tls_profile.as_deref())
+                .map_err(|name| NodeError::UnknownTlsProfile {
+                    uri: export.uri.clone(),
+                    profile: name.to_owned(),
+                })?,
+        };
         Ok(DialOptions {
             deadline: self.settings.dial_timeout,
             connections: export.connections,
@@ -533,4 +573,66 @@ pub(crate) fn paths(targets: &BTreeMap<PathBuf, crate::record::Target>) -> Strin
         .map(|p| p.display().to_string())
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernel::fake::FakeHost;
+
+    fn export(uri: &str, profile: Option<&str>) -> Export {
+        Export {
+            uri: uri.into(),
+            connections: 1,
+            tls_profile: profile.map(str::to_owned),
+            stage_tls: None,
+            grant: None,
+        }
+    }
+
+    #[test]
+    fn stage_secrets_serve_tls_exports_the_node_has_no_files_for() {
+        let dir = tempfile::tempdir().unwrap();
+        let host = FakeHost::new(&dir.path().join("host"));
+        let mut settings = Settings::defaults("node-a".into());
+        settings.state_dir = dir.path().join("state");
+        let node_files = Arc::new(nbd::tls::TlsFiles {
+            ca: "/etc/ustor-csi/tls/main/ca.crt".into(),
+            client_cert: None,
+            client_key: None,
+            server_name: None,
+        });
+        settings.tls_profiles.insert("main".into(), node_files);
+        let journal = Journal::open(&settings.state_dir).unwrap();
+        let node = Node::new(settings, journal, host.host());
+        let secrets = HashMap::from([("ca.crt".to_owned(), "CA".to_owned())]);
+        let tls = StageTls::from_secrets(&secrets).unwrap();
+
+        // A plaintext export has no use for it; a node's own profile wins.
+        for e in [
+            export("nbd://h:10809/x", None),
+            export("nbds://h:10809/x", Some("main")),
+        ] {
+            assert_eq!(node.keep_stage_tls("v", &e, tls.as_ref()).unwrap(), None);
+        }
+        assert!(!node.stage_tls().dir_for("v").exists());
+
+        // A profile this node lacks: the secret's material is kept, and dials read it.
+        let mut e = export("nbds://h:10809/x", Some("other"));
+        assert!(matches!(
+            node.dial_options(&e),
+            Err(NodeError::UnknownTlsProfile { .. })
+        ));
+        let kept = node.keep_stage_tls("v", &e, tls.as_ref()).unwrap().unwrap();
+        e.stage_tls = Some(kept.clone());
+        let dial = node.dial_options(&e).unwrap();
+        assert_eq!(dial.tls.map(|t| t.ca.clone()), Some(kept.join("ca.crt")));
+        // A call without secrets changes nothing; forgetting the volume removes them.
+        assert_eq!(
+            node.keep_stage_tls("v", &e, None).unwrap(),
+            Some(kept.clone())
+        );
+        node.forget("v").unwrap();
+        assert!(!kept.exists());
+    }
 }

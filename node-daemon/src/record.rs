@@ -101,6 +101,10 @@ pub struct Export {
     /// default TLS settings when `None`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tls_profile: Option<String>,
+    /// Where the TLS material NodeStage's secrets delivered is kept (see [`crate::stage_tls`]):
+    /// every dial of the volume reads it there. `None`: the node's own files.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stage_tls: Option<std::path::PathBuf>,
     /// The node's fencing grant from ControllerPublishVolume (see [`nbd::grant`]): a
     /// credential, kept only here and in the root-only journal.
     #[serde(default, skip_serializing_if = "Option::is_none", with = "grant")]
@@ -411,6 +415,7 @@ mod tests {
                 uri: "nbd://h:10809/x".into(),
                 connections: 2,
                 tls_profile: None,
+                stage_tls: None,
                 grant: Some(nbd::Grant::new("0f3a9c").unwrap()),
             }),
             device: Some(DeviceIndex(3)),

@@ -54,6 +54,22 @@ pub fn load(node: &Node) -> Result<Report, NodeError> {
             .collect(),
         ..Report::default()
     };
+    // TLS material of volumes the journal no longer has: an unstage cut short.
+    let live: Vec<String> = loaded
+        .records
+        .iter()
+        .map(|r| r.volume_id.to_string())
+        .collect();
+    match node.stage_tls().sweep(live.iter().map(String::as_str)) {
+        Ok(0) => {}
+        Ok(n) => tracing::info!(
+            removed = n,
+            "removed the TLS material of volumes no longer staged"
+        ),
+        Err(e) => {
+            tracing::warn!(error = %e, "could not sweep the TLS material of volumes no longer staged")
+        }
+    }
     for record in loaded.records {
         node.adopt(record);
     }

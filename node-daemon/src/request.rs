@@ -259,6 +259,7 @@ pub fn export(
         uri: uri.to_string(),
         connections,
         tls_profile,
+        stage_tls: None,
         grant,
     })
 }

@@ -253,14 +253,20 @@ fn device_row(
 fn encryption(r: &Record) -> Option<String> {
     let export = r.export.as_ref()?;
     let tls = export.uri.parse::<nbd::NbdUri>().is_ok_and(|u| u.tls());
-    Some(if !tls {
-        "none".to_owned()
-    } else {
-        match &r.tls {
-            Some(session) => format!("kernel TLS, {session}"),
-            None => "kernel TLS".to_owned(),
-        }
-    })
+    if !tls {
+        return Some("none".to_owned());
+    }
+    let mut shown = match &r.tls {
+        Some(session) => format!("kernel TLS, {session}"),
+        None => "kernel TLS".to_owned(),
+    };
+    // Where the next dial's certificates come from, the first question after a rotation.
+    shown.push_str(match (&export.stage_tls, &export.tls_profile) {
+        (Some(_), _) => " (certificates from the node-stage secret)",
+        (None, Some(_)) => " (certificates from the node's TLS profile)",
+        (None, None) => " (certificates from the node's tls-* files)",
+    });
+    Some(shown)
 }
 
 /// What is wrong with a volume whose device the kernel has.
@@ -570,13 +576,20 @@ mod tests {
             uri: "nbds://h:10809/x".into(),
             connections: 1,
             tls_profile: None,
+            stage_tls: None,
             grant: None,
         });
         r.tls = Some("TLSv1_3 TLS13_AES_256_GCM_SHA384".into());
         assert_eq!(
             encryption(&r).as_deref(),
-            Some("kernel TLS, TLSv1_3 TLS13_AES_256_GCM_SHA384")
+            Some("kernel TLS, TLSv1_3 TLS13_AES_256_GCM_SHA384 (certificates from the node's tls-* files)")
         );
+        if let Some(e) = r.export.as_mut() {
+            e.stage_tls = Some("/var/lib/x/stage-tls/ab".into());
+        }
+        assert!(encryption(&r)
+            .unwrap_or_default()
+            .ends_with("(certificates from the node-stage secret)"));
         r.export = None;
         assert_eq!(encryption(&r), None);
     }

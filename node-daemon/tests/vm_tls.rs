@@ -445,3 +445,126 @@ async fn a_tls_stage_whose_server_dies_mid_call_answers_and_heals() {
     vol.down(&mut c).await;
     assert_clean(&daemon);
 }
+
+/// What kubelet passes as NodeStage's secrets: the connection's TLS Secret, `pki`'s files
+/// under the Secret's keys (and the etcd client's pair, which is not the data path's).
+fn stage_secrets(pki: &TestPki) -> std::collections::HashMap<String, String> {
+    [
+        ("ca.crt", "ca-cert.pem"),
+        ("client.crt", "client-cert.pem"),
+        ("client.key", "client-key.pem"),
+        ("etcd-client.crt", "client-cert.pem"),
+    ]
+    .into_iter()
+    .map(|(key, file)| {
+        (
+            key.to_owned(),
+            std::fs::read_to_string(pki.file(file)).unwrap(),
+        )
+    })
+    .collect()
+}
+
+/// NodeStage of `vol` with `secrets`, as kubelet sends it.
+async fn stage_with(
+    vol: &Volume,
+    c: &mut NodeClients,
+    secrets: std::collections::HashMap<String, String>,
+) -> Result<(), tonic::Status> {
+    let mut req = vol.stage_req();
+    req.secrets = secrets;
+    c.node.node_stage_volume(req).await.map(drop)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root, the nbd and tls modules"]
+async fn tls_material_from_the_stage_secrets_heals_outlives_the_daemon_and_rotates() {
+    let pki = TestPki::new("first CA").unwrap();
+    // No TLS file on this node: the certificates come only with NodeStage.
+    let mut daemon = NodeDaemon::new("ktls-secrets", CONFIG).unwrap();
+    let mut c = daemon.start(None).await;
+    let mut vol = Volume::new_tls(&daemon, "tls-secrets", 32 * MIB, block(), &pki);
+
+    let err = vol.stage(&mut c).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{}", err.message());
+    assert!(
+        err.message().contains("node-stage secret"),
+        "{}",
+        err.message()
+    );
+    let mut half = stage_secrets(&pki);
+    half.remove("client.key");
+    let err = stage_with(&vol, &mut c, half).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{}", err.message());
+    assert!(err.message().contains("client.key"), "{}", err.message());
+    assert!(
+        vol.device(&daemon).is_none(),
+        "a refused stage left a device"
+    );
+
+    stage_with(&vol, &mut c, stage_secrets(&pki)).await.unwrap();
+    vol.publish(&mut c).await.unwrap();
+    let errors = kernel_io_errors();
+    direct_round_trip(&vol, 0, 4 * MIB as usize, 70);
+
+    // Kept root-only in the state directory, named in the journal by place, never by content.
+    let kept: Vec<_> = std::fs::read_dir(daemon.state_dir().join("stage-tls"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(kept.len(), 1, "{kept:?}");
+    let key = std::fs::read_to_string(pki.file("client-key.pem")).unwrap();
+    assert_eq!(
+        std::fs::read_to_string(kept[0].join("client.key")).unwrap(),
+        key
+    );
+    for (path, mode) in [
+        (kept[0].clone(), 0o700),
+        (kept[0].join("client.key"), 0o600),
+        (kept[0].join("ca.crt"), 0o600),
+    ] {
+        use std::os::unix::fs::PermissionsExt;
+        let got = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(got, mode, "{}", path.display());
+    }
+    assert!(!kept[0].join("etcd-client.crt").exists());
+    let record = journal_record(&daemon, &vol.id).to_string();
+    assert!(record.contains("stage-tls"), "{record}");
+    assert!(
+        !record.contains("PRIVATE KEY"),
+        "key material in the journal"
+    );
+
+    // The daemon killed, the server restarted while it is down: recovery finds the material,
+    // and the healer dials with it.
+    daemon.kill();
+    vol.server.kill();
+    vol.server.start().unwrap();
+    let mut c = daemon.start(None).await;
+    direct_round_trip(&vol, 4 * MIB, 4 * MIB as usize, 71);
+
+    // A rotation: kubelet's next NodeStage brings a new CA's certificates. The server then
+    // moves to the new CA only: the healer's dial succeeds only with the newer material.
+    let next = TestPki::new("second CA").unwrap();
+    stage_with(&vol, &mut c, stage_secrets(&next))
+        .await
+        .unwrap();
+    assert_eq!(
+        std::fs::read_to_string(kept[0].join("ca.crt")).unwrap(),
+        std::fs::read_to_string(next.file("ca-cert.pem")).unwrap()
+    );
+    pki.replace_with(&next).unwrap();
+    vol.server.kill();
+    vol.server.start().unwrap();
+    direct_round_trip(&vol, 8 * MIB, 4 * MIB as usize, 72);
+    assert_eq!(
+        kernel_io_errors(),
+        errors,
+        "the applications saw I/O errors"
+    );
+
+    // Unstaging removes the material with the record.
+    vol.down(&mut c).await;
+    assert!(!kept[0].exists(), "TLS material outlived its volume");
+    assert_clean(&daemon);
+}

@@ -353,6 +353,7 @@ impl Cell {
                 uri: "nbd://export:10809/pvc-1".into(),
                 connections: 1,
                 tls_profile: None,
+                stage_tls: None,
                 grant: None,
             },
             staging.clone(),

@@ -18,7 +18,7 @@ use nbd::tls::TlsError;
 use tonic::Code;
 
 use crate::error::{
-    ConnectionsError, ExpandError, NodeError, PublishError, StageError, UnstageError,
+    ConnectionsError, ExpandError, NodeError, PublishError, StageError, StageTlsError, UnstageError,
 };
 
 /// The CSI Node calls that act on a volume.
@@ -123,6 +123,10 @@ fn code(rpc: Rpc, e: &NodeError) -> Code {
             | ExpandError::OldConnections { .. } => Code::FailedPrecondition,
             // The connections may be replaceable on the next try: the CO retries.
             ExpandError::ReplaceTimedOut { .. } | ExpandError::LinkDown { .. } => Code::Unavailable,
+        },
+        N::StageTls(e) => match e {
+            StageTlsError::HalfIdentity { .. } | StageTlsError::NoCa => Code::InvalidArgument,
+            StageTlsError::Store { .. } => Code::Internal,
         },
         N::NotReady => Code::Unavailable,
         // Spec, "Concurrency": an operation pending on the volume is ABORTED.

@@ -21,6 +21,7 @@ use crate::request::{
 };
 use crate::service::codes::{self, Rpc as Call};
 use crate::service::inflight::Inflight;
+use crate::stage_tls::StageTls;
 use crate::volumes::{ExpandRequest, PublishRequest, StageRequest, Usage};
 
 #[derive(Debug)]
@@ -158,6 +159,7 @@ impl NodeApi for NodeService {
                     )?),
                     capability: capability(r.volume_capability.as_ref())?,
                     export: export(&r.publish_context, &r.volume_context)?,
+                    tls: StageTls::from_secrets(&r.secrets)?,
                 };
                 node.stage(req).await.map(|()| NodeStageVolumeResponse {})
             },
@@ -332,6 +334,7 @@ impl NodeApi for NodeService {
                     volume,
                     volume_path,
                     required_bytes: required.filter(|b| *b > 0).map(|b| b as u64),
+                    tls: StageTls::from_secrets(&r.secrets)?,
                 };
                 let bytes = node.expand(req).await?;
                 Ok(NodeExpandVolumeResponse {

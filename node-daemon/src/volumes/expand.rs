@@ -81,6 +81,9 @@ pub struct ExpandRequest {
     pub volume: VolumeId,
     pub volume_path: PathBuf,
     pub required_bytes: Option<u64>,
+    /// TLS material from the request's secrets (kubelet passes a node-expand secret only
+    /// where the StorageClass names one and the cluster supports it).
+    pub tls: Option<crate::stage_tls::StageTls>,
 }
 
 impl Node {
@@ -99,7 +102,15 @@ impl Node {
                 phase: record.phase(),
             });
         }
-        let export = crate::node::known_export(&record)?;
+        let mut export = crate::node::known_export(&record)?;
+        let kept = self.keep_stage_tls(record.volume_id.as_str(), &export, req.tls.as_ref())?;
+        if kept != export.stage_tls {
+            export.stage_tls = kept.clone();
+            if let Some(e) = record.export.as_mut() {
+                e.stage_tls = kept;
+            }
+            self.save(&record)?;
+        }
         let (info, _probe_socket) =
             nbd::dial::dial_one(&export_uri(&export)?, &self.dial_options(&export)?).await?;
         if let Some(required) = req.required_bytes {

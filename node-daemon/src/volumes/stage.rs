@@ -23,6 +23,7 @@ use crate::node::{export_uri, off_runtime, Node};
 use crate::record::{Access, AttachedWith, Export, Phase, Record, Target, TargetPhase};
 use crate::request::Capability;
 use crate::service::codes::{answer, Rpc, Then};
+use crate::stage_tls::StageTls;
 
 /// A validated NodeStageVolume.
 #[derive(Debug)]
@@ -31,6 +32,8 @@ pub struct StageRequest {
     pub staging_path: PathBuf,
     pub capability: Capability,
     pub export: Export,
+    /// TLS material from the request's secrets, if they hold any.
+    pub tls: Option<StageTls>,
 }
 
 /// Why a NodeStageVolume failed. The four steps wrap what failed inside them; the refusals
@@ -182,12 +185,15 @@ impl Node {
             Some(existing) => self.reconcile_stage_request(existing, &req)?,
             None => {
                 self.refuse_shared_export(&req)?;
+                let mut export = req.export.clone();
+                export.stage_tls =
+                    self.keep_stage_tls(req.volume.as_str(), &export, req.tls.as_ref())?;
                 // Journaled in step_attach, with its connections, before CONNECT: until then
                 // there is nothing in the kernel to find or undo.
                 Record::attaching(
                     req.volume.clone(),
                     Identifier::new_attachment(&self.settings.node_id, &req.volume)?,
-                    req.export.clone(),
+                    export,
                     req.staging_path.clone(),
                     req.capability.access.clone(),
                     req.capability.mode,
@@ -296,21 +302,33 @@ impl Node {
                 }
                 .into())
             }
-            Some(e) if e.tls_profile != req.export.tls_profile || e.grant != req.export.grant => {
-                // The profile names where the files of the next dial are, and the grant what
-                // the next dial proves, nothing attached now: the CO's current word is taken
-                // (a controller upgraded to name them), if this node defines the profile.
-                self.dial_options(&req.export)?;
-                if let Some(e) = record.export.as_mut() {
-                    e.tls_profile = req.export.tls_profile.clone();
-                    e.grant = req.export.grant.clone();
+            Some(e) => {
+                // The profile and the secrets' material say what the next dial reads, and the
+                // grant what it proves, nothing attached now: the CO's current word is taken
+                // (a controller upgraded to name them, a rotated certificate), if this node
+                // can dial with it.
+                let mut wanted = req.export.clone();
+                wanted.stage_tls = e.stage_tls.clone();
+                wanted.stage_tls =
+                    self.keep_stage_tls(req.volume.as_str(), &wanted, req.tls.as_ref())?;
+                if (&wanted.tls_profile, &wanted.grant, &wanted.stage_tls)
+                    != (&e.tls_profile, &e.grant, &e.stage_tls)
+                {
+                    self.dial_options(&wanted)?;
+                    if let Some(e) = record.export.as_mut() {
+                        e.tls_profile = wanted.tls_profile;
+                        e.grant = wanted.grant;
+                        e.stage_tls = wanted.stage_tls;
+                    }
+                    self.save(&record)?;
                 }
-                self.save(&record)?;
             }
-            Some(_) => {}
             None => {
                 // A record rebuilt from kernel facts learns its export here.
-                record.export = Some(req.export.clone());
+                let mut export = req.export.clone();
+                export.stage_tls =
+                    self.keep_stage_tls(req.volume.as_str(), &export, req.tls.as_ref())?;
+                record.export = Some(export);
                 self.save(&record)?;
             }
         }
@@ -929,6 +947,7 @@ mod tests {
                 mode: r.mode,
             },
             export: r.export.clone().unwrap(),
+            tls: None,
         };
         let said = match cell.node.stage(req).await {
             Ok(()) => "ok".to_owned(),

@@ -59,6 +59,11 @@ impl NodeDaemon {
         &self.config
     }
 
+    /// The daemon's state directory (journal, kept TLS material).
+    pub fn state_dir(&self) -> &Path {
+        &self.state_dir
+    }
+
     /// A scratch directory that lives as long as the daemon (for staging and target paths).
     pub fn scratch(&self) -> &Path {
         self.dir.path()
