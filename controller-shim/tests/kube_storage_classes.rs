@@ -50,6 +50,12 @@ async fn a_storage_class_follows_its_resource_and_keeps_what_admins_set() {
     assert_eq!(params["pool"], "data");
     assert_eq!(params["connection"], "main");
     assert_eq!(params["csi.storage.k8s.io/fstype"], "ext4");
+    // kubelet passes the connection's TLS Secret to the nodes' NodeStage and NodeExpand.
+    for (name, namespace) in controller_shim::kube::storage_class::NODE_SECRET_PARAMETERS {
+        assert_eq!(params[name], "tls", "{name}");
+        assert_eq!(params[namespace], test_settings().namespace, "{namespace}");
+    }
+    assert_eq!(created.status.as_ref().unwrap().reason, None);
     assert_eq!(sc.reclaim_policy.as_deref(), Some("Delete"));
     assert_eq!(
         sc.volume_binding_mode.as_deref(),

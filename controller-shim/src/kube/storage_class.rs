@@ -32,13 +32,43 @@ pub const ANNOTATIONS: [(&str, &str); 3] = [
     ),
 ];
 
+/// The StorageClass parameters that make kubelet pass the connection's TLS Secret to
+/// NodeStageVolume and NodeExpandVolume: the nodes take the data path's certificates from it
+/// (the node daemon's `stage_tls`), with no files placed by hand.
+pub const NODE_SECRET_PARAMETERS: [(&str, &str); 2] = [
+    (
+        "csi.storage.k8s.io/node-stage-secret-name",
+        "csi.storage.k8s.io/node-stage-secret-namespace",
+    ),
+    (
+        "csi.storage.k8s.io/node-expand-secret-name",
+        "csi.storage.k8s.io/node-expand-secret-namespace",
+    ),
+];
+
+/// The Secret kubelet is to pass to the nodes: the connection's TLS Secret.
+#[derive(Debug, Clone, Copy)]
+pub struct NodeSecret<'a> {
+    pub name: &'a str,
+    pub namespace: &'a str,
+}
+
+/// Why a class created by an older version, whose StorageClass names no node secret, is
+/// kept as it is (its parameters cannot change) with its phase Created.
+const WITHOUT_NODE_SECRET: &str = "the StorageClass was created before StorageClasses named the \
+    connection's TLS Secret as node-stage secret: nodes staging its volumes need \
+    [tls-profile.<connection>] files in their configuration; a new MindUstorStorageClass needs none";
+
 /// How often a healthy resource is looked at again, changes or not (missed events).
 const RESYNC: Duration = Duration::from_secs(600);
 /// How soon a Failed one is looked at again (a connection created later, a fixed spec).
 const RETRY_FAILED: Duration = Duration::from_secs(30);
 
 /// The StorageClass a resource stands for.
-pub fn desired(class: &MindUstorStorageClass) -> Result<StorageClass, GlueError> {
+pub fn desired(
+    class: &MindUstorStorageClass,
+    node_secret: Option<NodeSecret<'_>>,
+) -> Result<StorageClass, GlueError> {
     let owner = class
         .controller_owner_ref(&())
         .ok_or_else(|| GlueError::Invalid("the resource has no uid yet".into()))?;
@@ -56,7 +86,7 @@ pub fn desired(class: &MindUstorStorageClass) -> Result<StorageClass, GlueError>
             ..ObjectMeta::default()
         },
         provisioner: DRIVER_NAME.to_owned(),
-        parameters: Some(parameters(class)),
+        parameters: Some(parameters(class, node_secret)),
         reclaim_policy: Some(spec.reclaim_policy.as_str().to_owned()),
         volume_binding_mode: Some(spec.volume_binding_mode.as_str().to_owned()),
         allow_volume_expansion: Some(true),
@@ -73,15 +103,32 @@ pub fn desired(class: &MindUstorStorageClass) -> Result<StorageClass, GlueError>
 }
 
 /// What the CSI controller reads from a StorageClass.
-fn parameters(class: &MindUstorStorageClass) -> BTreeMap<String, String> {
-    BTreeMap::from([
+fn parameters(
+    class: &MindUstorStorageClass,
+    node_secret: Option<NodeSecret<'_>>,
+) -> BTreeMap<String, String> {
+    let mut parameters = BTreeMap::from([
         ("connection".to_owned(), class.spec.connection_name.clone()),
         ("pool".to_owned(), class.spec.pool.clone()),
         (
             "csi.storage.k8s.io/fstype".to_owned(),
             class.spec.fs_type.as_str().to_owned(),
         ),
-    ])
+    ]);
+    if let Some(secret) = node_secret {
+        for (name, namespace) in NODE_SECRET_PARAMETERS {
+            parameters.insert(name.to_owned(), secret.name.to_owned());
+            parameters.insert(namespace.to_owned(), secret.namespace.to_owned());
+        }
+    }
+    parameters
+}
+
+/// Whether `sc` names a node secret (a StorageClass of an older version does not).
+fn names_node_secret(sc: &StorageClass) -> bool {
+    sc.parameters
+        .as_ref()
+        .is_some_and(|p| p.contains_key(NODE_SECRET_PARAMETERS[0].0))
 }
 
 /// The fields of `existing` that differ from `wanted` among those a StorageClass cannot
@@ -95,7 +142,11 @@ fn immutable_differences(existing: &StorageClass, wanted: &StorageClass) -> Vec<
         existing.parameters.clone().unwrap_or_default(),
         wanted.parameters.clone().unwrap_or_default(),
     );
+    let legacy = !names_node_secret(existing);
     for (key, value) in &want {
+        if legacy && is_node_secret_parameter(key) {
+            continue;
+        }
         match have.get(key) {
             Some(v) if v == value => {}
             Some(v) => out.push(format!("{key} is {v:?}, the spec says {value:?}")),
@@ -122,6 +173,12 @@ fn immutable_differences(existing: &StorageClass, wanted: &StorageClass) -> Vec<
         &wanted.volume_binding_mode,
     ));
     out
+}
+
+fn is_node_secret_parameter(key: &str) -> bool {
+    NODE_SECRET_PARAMETERS
+        .iter()
+        .any(|(name, namespace)| key == *name || key == *namespace)
 }
 
 /// Annotations and expansion the StorageClass lacks, as a merge patch (None: nothing to add).
@@ -157,9 +214,9 @@ pub async fn reconcile(
         return Ok(Action::requeue(super::FOLLOWER_RECHECK));
     }
     let status = match ensure(&class, &ctx).await? {
-        Ok(()) => StorageClassStatus {
+        Ok(note) => StorageClassStatus {
             phase: Some(Phase::Created),
-            reason: None,
+            reason: note,
         },
         Err(reason) => {
             tracing::warn!(class = %class.name_any(), %reason, "MindUstorStorageClass failed");
@@ -174,22 +231,24 @@ pub async fn reconcile(
     Ok(Action::requeue(if failed { RETRY_FAILED } else { RESYNC }))
 }
 
-/// Makes the StorageClass exist as the spec says. `Ok(Err(reason))`: the resource is Failed
-/// for a reason the operator must act on; `Err`: the API failed (retried).
+/// Makes the StorageClass exist as the spec says. `Ok(Ok(note))`: Created, with what the
+/// operator should know about it; `Ok(Err(reason))`: the resource is Failed for a reason the
+/// operator must act on; `Err`: the API failed (retried).
 async fn ensure(
     class: &MindUstorStorageClass,
     ctx: &Context,
-) -> Result<Result<(), String>, GlueError> {
+) -> Result<Result<Option<String>, String>, GlueError> {
     let name = class.name_any();
     let classes: Api<StorageClass> = Api::all(ctx.client.clone());
-    let wanted = desired(class)?;
+    let connections: Api<MindUstorStorageConnection> = Api::all(ctx.client.clone());
+    let connection = connections.get_opt(&class.spec.connection_name).await?;
+    let node_secret = connection.as_ref().map(|c| NodeSecret {
+        name: &c.spec.data_plane.tls_secret_name,
+        namespace: &ctx.settings.namespace,
+    });
+    let wanted = desired(class, node_secret)?;
     let Some(existing) = classes.get_opt(&name).await? else {
-        let connections: Api<MindUstorStorageConnection> = Api::all(ctx.client.clone());
-        if connections
-            .get_opt(&class.spec.connection_name)
-            .await?
-            .is_none()
-        {
+        if connection.is_none() {
             return Ok(Err(format!(
                 "MindUstorStorageConnection {:?} does not exist; create it, then the StorageClass is created",
                 class.spec.connection_name
@@ -200,7 +259,7 @@ async fn ensure(
         }
         classes.create(&ctx.post_params(), &wanted).await?;
         tracing::info!(class = %name, "StorageClass created");
-        return Ok(Ok(()));
+        return Ok(Ok(None));
     };
     let ours = existing
         .owner_references()
@@ -225,7 +284,9 @@ async fn ensure(
             .patch(&name, &ctx.patch_params(), &Patch::Merge(patch))
             .await?;
     }
-    Ok(Ok(()))
+    Ok(Ok(
+        (!names_node_secret(&existing)).then(|| WITHOUT_NODE_SECRET.to_owned())
+    ))
 }
 
 #[cfg(test)]
@@ -248,14 +309,25 @@ mod tests {
         c
     }
 
+    const SECRET: Option<NodeSecret<'static>> = Some(NodeSecret {
+        name: "main-tls",
+        namespace: "d8-csi-mind-ustor",
+    });
+
     #[test]
     fn the_storage_class_carries_every_field_the_driver_needs() {
-        let sc = desired(&class()).unwrap();
+        let sc = desired(&class(), SECRET).unwrap();
         assert_eq!(sc.provisioner, "ustor-nbd.csi.mindsw.io");
         let p = sc.parameters.as_ref().unwrap();
         assert_eq!(p["pool"], "data");
         assert_eq!(p["connection"], "main");
         assert_eq!(p["csi.storage.k8s.io/fstype"], "xfs");
+        for (name, namespace) in NODE_SECRET_PARAMETERS {
+            assert_eq!(
+                (p[name].as_str(), p[namespace].as_str()),
+                ("main-tls", "d8-csi-mind-ustor")
+            );
+        }
         assert_eq!(sc.reclaim_policy.as_deref(), Some("Retain"));
         assert_eq!(
             sc.volume_binding_mode.as_deref(),
@@ -270,11 +342,11 @@ mod tests {
 
     #[test]
     fn a_changed_spec_is_named_and_an_admins_annotation_is_kept() {
-        let original = desired(&class()).unwrap();
+        let original = desired(&class(), SECRET).unwrap();
         let mut changed = class();
         changed.spec.pool = "other".into();
         changed.spec.reclaim_policy = ReclaimPolicy::Delete;
-        let diff = immutable_differences(&original, &desired(&changed).unwrap());
+        let diff = immutable_differences(&original, &desired(&changed, SECRET).unwrap());
         assert_eq!(diff.len(), 2, "{diff:?}");
         assert!(diff[0].contains("pool is \"data\""), "{diff:?}");
 
@@ -289,5 +361,27 @@ mod tests {
         let added = patch["metadata"]["annotations"].as_object().unwrap();
         assert_eq!(added.len(), 1, "only the missing one: {patch}");
         assert!(added.contains_key("storage.deckhouse.io/volumesnapshotclass"));
+    }
+
+    #[test]
+    fn a_class_made_before_node_secrets_is_kept_but_a_changed_secret_is_named() {
+        let wanted = desired(&class(), SECRET).unwrap();
+        let legacy = desired(&class(), None).unwrap();
+        assert!(!names_node_secret(&legacy));
+        assert!(
+            immutable_differences(&legacy, &wanted).is_empty(),
+            "a StorageClass of an older version is not Failed for lacking the node secret"
+        );
+        let renamed = desired(
+            &class(),
+            Some(NodeSecret {
+                name: "other-tls",
+                namespace: "d8-csi-mind-ustor",
+            }),
+        )
+        .unwrap();
+        let diff = immutable_differences(&wanted, &renamed);
+        assert_eq!(diff.len(), 2, "{diff:?}");
+        assert!(diff[0].contains("\"main-tls\""), "{diff:?}");
     }
 }
