@@ -424,7 +424,11 @@ impl Node {
         if export.stage_tls.is_none() && (!encrypted || node_files) {
             return Ok(None);
         }
-        let dir = self.stage_tls().write(volume, tls)?;
+        let store = self.stage_tls();
+        if store.holds(volume, tls) {
+            return Ok(Some(store.dir_for(volume)));
+        }
+        let dir = store.write(volume, tls)?;
         tracing::info!(%volume, "TLS material of the node-stage secret kept for the volume's dials");
         Ok(Some(dir))
     }

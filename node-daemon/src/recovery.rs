@@ -55,12 +55,8 @@ pub fn load(node: &Node) -> Result<Report, NodeError> {
         ..Report::default()
     };
     // TLS material of volumes the journal no longer has: an unstage cut short.
-    let live: Vec<String> = loaded
-        .records
-        .iter()
-        .map(|r| r.volume_id.to_string())
-        .collect();
-    match node.stage_tls().sweep(live.iter().map(String::as_str)) {
+    let live = loaded.records.iter().map(|r| r.volume_id.as_str());
+    match node.stage_tls().sweep(live) {
         Ok(0) => {}
         Ok(n) => tracing::info!(
             removed = n,

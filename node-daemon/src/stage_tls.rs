@@ -121,6 +121,19 @@ impl StageTlsStore {
         self.root.join(crate::ids::digest(volume_id))
     }
 
+    /// Whether `volume_id`'s directory already holds exactly `tls` (kubelet passes the same
+    /// Secret at every NodeStage: rewriting it would only open the window described at
+    /// [`StageTlsStore::write`] for nothing).
+    pub fn holds(&self, volume_id: &str, tls: &StageTls) -> bool {
+        let dir = self.dir_for(volume_id);
+        let read = |name: &str| fs::read_to_string(dir.join(name)).ok();
+        let client = match (read(CERT_FILE), read(KEY_FILE)) {
+            (Some(cert), Some(key)) => Some((cert, key)),
+            _ => None,
+        };
+        read(CA_FILE).as_ref() == Some(&tls.ca) && client == tls.client
+    }
+
     /// Durably writes `tls` for `volume_id` and returns its directory. Each file is replaced
     /// by a rename, so a dial never reads a half-written file; one that reads the CA of one
     /// generation and the certificate of the next fails its handshake and is retried like any
@@ -317,7 +330,9 @@ mod tests {
         ]))
         .unwrap()
         .unwrap();
+        assert!(!store.holds("vol-a", &first));
         let dir = store.write("vol-a", &first).unwrap();
+        assert!(store.holds("vol-a", &first));
         let files = files_in(&dir);
         assert_eq!(fs::read_to_string(&files.ca).unwrap(), "CA1");
         let key = files.client_key.clone().unwrap();
@@ -331,7 +346,9 @@ mod tests {
         let second = StageTls::from_secrets(&secrets(&[("ca.crt", "CA2")]))
             .unwrap()
             .unwrap();
+        assert!(!store.holds("vol-a", &second));
         assert_eq!(store.write("vol-a", &second).unwrap(), dir);
+        assert!(store.holds("vol-a", &second) && !store.holds("vol-a", &first));
         let files = files_in(&dir);
         assert_eq!(fs::read_to_string(&files.ca).unwrap(), "CA2");
         assert_eq!(files.client_cert, None);
