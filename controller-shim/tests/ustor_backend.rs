@@ -6,7 +6,7 @@
 mod common;
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use controller_shim::backend::connections::{
     ConnectionDirectory, ConnectionError, ConnectionsBackend,
@@ -446,6 +446,103 @@ async fn publications_hold_ustor_grants() {
         Vec::<String>::new()
     );
     backend.revoke(key, "node-a").await.unwrap();
+    c.delete_volume(delete_volume_request(&v.volume_id))
+        .await
+        .unwrap();
+}
+
+/// The nodes ControllerGetVolume says `volume_id` is published to.
+async fn published_nodes(c: &mut ControllerClient<Channel>, volume_id: &str) -> Vec<String> {
+    c.controller_get_volume(ControllerGetVolumeRequest {
+        volume_id: volume_id.into(),
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .status
+    .unwrap()
+    .published_node_ids
+}
+
+/// The external-attacher gives a call up at its deadline and calls again later. Here uStor is
+/// slow to answer the revoke of an unpublish (held at the server), so the call is given up
+/// mid-way, between its two steps (revoke the grant, then record the publication's end):
+/// - with no retry, the work goes on without its caller and the publication ends once uStor
+///   answers (a handler dropped with its caller would leave the node listed for good);
+/// - a retry made while the first is still under way waits for it rather than start its own
+///   revoke beside it (a lock dropped with its caller would let it through to uStor).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unpublish_given_up_mid_call_finishes_and_its_retry_waits_for_it() {
+    let server = FakeUstor::start().await.unwrap();
+    server.set_user("csi", "pw", None);
+    let (mut c, _dir) = controller(&server, "pw").await;
+    let v = created_volume(&mut c, create("pvc-given-up", 100 * MIB, Some("data"))).await;
+    let (key, cap) = (
+        "data/test-pvc-given-up",
+        mount_capability("ext4", Mode::SingleNodeWriter),
+    );
+    let revoke = "/api/v1/pools/data/images/test-pvc-given-up/grants/node-a";
+    let publish = controller_publish_request(&v.volume_id, "node-a", cap);
+    let unpublish = controller_unpublish_request(&v.volume_id, "node-a");
+    let caller = c.clone();
+    let call = |timeout: Option<Duration>| {
+        let (mut c, mut request) = (caller.clone(), tonic::Request::new(unpublish.clone()));
+        if let Some(t) = timeout {
+            request.set_timeout(t);
+        }
+        tokio::spawn(async move { c.controller_unpublish_volume(request).await })
+    };
+
+    // Given up, and never retried.
+    c.controller_publish_volume(publish.clone()).await.unwrap();
+    let hold = server.hold("DELETE", revoke);
+    let given_up = call(Some(Duration::from_millis(300)));
+    hold.arrived(1).await;
+    let e = given_up.await.unwrap().unwrap_err();
+    assert!(
+        matches!(e.code(), Code::DeadlineExceeded | Code::Cancelled),
+        "{e:?}"
+    );
+    assert_eq!(published_nodes(&mut c, &v.volume_id).await, ["node-a"]);
+    drop(hold);
+    let started = Instant::now();
+    while !published_nodes(&mut c, &v.volume_id).await.is_empty() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the given-up unpublish never finished: node-a is still listed"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(server.grant_token(key, "node-a"), None, "revoked in uStor");
+
+    // Given up, and retried at once, as the attacher does after a restart.
+    c.controller_publish_volume(publish).await.unwrap();
+    let hold = server.hold("DELETE", revoke);
+    let given_up = call(Some(Duration::from_millis(300)));
+    hold.arrived(1).await;
+    assert!(given_up.await.unwrap().is_err());
+    let retry = call(None);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        hold.count(),
+        1,
+        "the retry sent a revoke of its own beside the given-up call's"
+    );
+    assert!(
+        !retry.is_finished(),
+        "the retry answered before the work it repeats ended"
+    );
+    drop(hold);
+    tokio::time::timeout(Duration::from_secs(10), retry)
+        .await
+        .expect("the retry answers once uStor does")
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        published_nodes(&mut c, &v.volume_id).await,
+        Vec::<String>::new()
+    );
+    assert_eq!(server.grant_token(key, "node-a"), None);
     c.delete_volume(delete_volume_request(&v.volume_id))
         .await
         .unwrap();

@@ -32,6 +32,51 @@ struct Inner {
     image_gets: AtomicUsize,
     /// New images' NBD endpoints require TLS.
     nbd_tls: std::sync::atomic::AtomicBool,
+    /// Routes whose requests wait at the server, as at one that stalls (see [`Hold`]).
+    holds: Mutex<Vec<Arc<HeldRoute>>>,
+}
+
+/// One held route: how many of its requests arrived, and whether they may go on.
+#[derive(Debug)]
+struct HeldRoute {
+    method: axum::http::Method,
+    path: String,
+    arrived: tokio::sync::watch::Sender<usize>,
+    open: tokio::sync::watch::Sender<bool>,
+}
+
+/// Requests of one route (method and exact path) held at the server until the hold is
+/// dropped: a test makes a call of the controller wait inside uStor for as long as it likes.
+#[derive(Debug)]
+pub struct Hold {
+    route: Arc<HeldRoute>,
+    server: Arc<Inner>,
+}
+
+impl Hold {
+    /// Waits until `n` requests of the route have arrived (and are held).
+    pub async fn arrived(&self, n: usize) {
+        let mut arrived = self.route.arrived.subscribe();
+        // The sender lives in `self.route`: the wait ends only when `n` have arrived.
+        let _ = arrived.wait_for(|&a| a >= n).await;
+    }
+
+    /// How many requests of the route have arrived so far.
+    pub fn count(&self) -> usize {
+        *self.route.arrived.borrow()
+    }
+}
+
+impl Drop for Hold {
+    /// Lets the held requests, and every later one, through.
+    fn drop(&mut self) {
+        self.server
+            .holds
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|r| !Arc::ptr_eq(r, &self.route));
+        self.route.open.send_replace(true);
+    }
 }
 
 /// (read-only, token).
@@ -160,6 +205,28 @@ impl FakeUstor {
         self.inner.nbd_tls.store(on, Ordering::SeqCst);
     }
 
+    /// Holds every `method` request of `path` (e.g. `DELETE`, `/api/v1/pools/p/images/i`)
+    /// at the server until the returned [`Hold`] is dropped.
+    pub fn hold(&self, method: &str, path: &str) -> Hold {
+        let route = Arc::new(HeldRoute {
+            method: method
+                .parse()
+                .unwrap_or_else(|e| panic!("method {method:?}: {e}")),
+            path: path.to_owned(),
+            arrived: tokio::sync::watch::Sender::new(0),
+            open: tokio::sync::watch::Sender::new(false),
+        });
+        self.inner
+            .holds
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(Arc::clone(&route));
+        Hold {
+            route,
+            server: Arc::clone(&self.inner),
+        }
+    }
+
     /// Every token issued so far expires: the next call answers 401 TokenExpired.
     pub fn expire_tokens(&self) {
         self.inner
@@ -220,6 +287,18 @@ fn take(map: &Mutex<HashMap<String, Value>>, key: &str, what: &str) -> Response 
 /// A call without a token the login gave out is answered 401 `TokenExpired`.
 async fn require_token(State(s): St, request: Request, next: Next) -> Response {
     if authorized(&s, request.headers()) {
+        let held = s
+            .holds
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .find(|r| r.method == *request.method() && r.path == request.uri().path())
+            .cloned();
+        if let Some(route) = held {
+            route.arrived.send_modify(|a| *a += 1);
+            let mut open = route.open.subscribe();
+            let _ = open.wait_for(|&o| o).await;
+        }
         next.run(request).await
     } else {
         error(StatusCode::UNAUTHORIZED, "TokenExpired", "log in again")
