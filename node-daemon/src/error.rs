@@ -64,6 +64,15 @@ pub enum NodeError {
         if targets.is_empty() { String::new() } else { format!(", and it is still published at {targets}") }
     )]
     Fenced { volume: String, targets: String },
+    /// The export refused this node's grant while NodeStage was under way (the volume was
+    /// unpublished from this node mid-call): the step that failed on it is not retried.
+    #[error(
+        "volume {volume} was fenced while it was being staged: its export refused this node's grant (it was unpublished from this node mid-call, and may be in use elsewhere); staging stopped at: {source}"
+    )]
+    FencedMidStage {
+        volume: String,
+        source: Box<NodeError>,
+    },
     /// The call names a staging path other than the one the volume is staged at.
     #[error("volume {volume} is staged at {}, not at {}", staged.display(), asked.display())]
     WrongStagingPath {

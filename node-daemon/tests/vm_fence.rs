@@ -35,7 +35,13 @@ struct NodeSide {
 
 impl NodeSide {
     async fn start(name: &str) -> Self {
-        let (daemon, clients) = start_node(name).await;
+        Self::start_armed(name, None).await
+    }
+
+    /// A node whose daemon runs with `failpoints` armed.
+    async fn start_armed(name: &str, failpoints: Option<&str>) -> Self {
+        let mut daemon = NodeDaemon::new(name, CONFIG).unwrap();
+        let clients = daemon.start(failpoints).await;
         let staging = daemon.scratch().join("staging/fenced");
         let target = daemon.scratch().join("pods/p/volumeDevices/fenced");
         // kubelet makes the staging directory and the target's parent.
@@ -51,21 +57,7 @@ impl NodeSide {
 
     /// ControllerPublish to this node, then NodeStage and NodePublish with its context.
     async fn attach(&mut self, ctrl: &mut ControllerClient<Channel>, volume: &str) {
-        let context = ctrl
-            .controller_publish_volume(controller_publish_request(
-                volume,
-                &self.daemon.node_id,
-                block(),
-            ))
-            .await
-            .unwrap()
-            .into_inner()
-            .publish_context;
-        assert!(
-            context.contains_key("nbdGrant"),
-            "no grant in the publish context: {:?}",
-            context.keys()
-        );
+        let context = published_to(ctrl, volume, &self.daemon.node_id, block()).await;
         let mut stage = stage_request(volume, &self.staging, block(), "");
         stage.volume_context.clear();
         stage.publish_context = context.clone();
@@ -132,6 +124,27 @@ impl NodeSide {
             })
             .collect()
     }
+}
+
+/// ControllerPublishVolume of `volume` to `node`: the publish context, with its grant.
+async fn published_to(
+    ctrl: &mut ControllerClient<Channel>,
+    volume: &str,
+    node: &str,
+    cap: csi_proto::csi::VolumeCapability,
+) -> std::collections::HashMap<String, String> {
+    let context = ctrl
+        .controller_publish_volume(controller_publish_request(volume, node, cap))
+        .await
+        .unwrap()
+        .into_inner()
+        .publish_context;
+    assert!(
+        context.contains_key("nbdGrant"),
+        "no grant in the publish context: {:?}",
+        context.keys()
+    );
+    context
 }
 
 fn read_image(image: &Path, offset: u64, len: usize) -> Vec<u8> {
@@ -282,6 +295,107 @@ async fn a_node_that_lost_its_attachment_writes_nothing_more() {
         "B's write reached the export after its grant was revoked"
     );
     b.detach(&volume).await;
+    ctrl.delete_volume(delete_volume_request(&volume))
+        .await
+        .unwrap();
+}
+
+/// A NodeStage cut short by the storage: A has dialed the export (and was let in), but the
+/// kernel does not have the sockets yet, when the volume is detached from A by force (the
+/// gate revokes the grant and cuts A's connections, as a server that dies mid-call would) and
+/// attached to B, which writes. A's stage goes on with dead sockets: its heal is refused, and
+/// A must fence the volume instead of taking a device it cannot read for blank and formatting
+/// it. The call fails naming the fence, its retry (kubelet's) fails the same way, not one
+/// byte of the export changes, and NodeUnstage leaves A clean.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn a_stage_whose_grant_is_revoked_mid_call_formats_nothing() {
+    let (controller, mut ctrl) = ControllerProcess::start("fence-stage").await.unwrap();
+    let volume = created_volume(
+        &mut ctrl,
+        create_volume_request("pvc-fence-stage", SIZE as i64, ext4()),
+    )
+    .await
+    .volume_id;
+    let image_name = volume.rsplit(':').next().unwrap().to_owned();
+    let image = controller.store.join("images").join(&image_name);
+    let mut a = NodeSide::start_armed("node-a", Some("stage-before-connect=pause(6000)")).await;
+    let mut b = NodeSide::start("node-b").await;
+
+    // A's NodeStage (a filesystem volume, so a format decision follows the attach) stops in
+    // the window between its dial and CONNECT.
+    let context = published_to(&mut ctrl, &volume, &a.daemon.node_id, ext4()).await;
+    let mut stage = stage_request(&volume, &a.staging, ext4(), "");
+    stage.volume_context.clear();
+    stage.publish_context = context;
+    let staging = {
+        let (mut node, stage) = (a.clients.node.clone(), stage.clone());
+        tokio::spawn(async move { node.node_stage_volume(stage).await })
+    };
+    a.daemon.wait_paused("stage-before-connect").await;
+
+    // Detached from A by force mid-call, attached to B, which writes its data at both ends
+    // of the device: where a filesystem's superblocks would go.
+    ctrl.controller_unpublish_volume(controller_unpublish_request(&volume, "node-a"))
+        .await
+        .unwrap();
+    b.attach(&mut ctrl, &volume).await;
+    let b_direct = DirectFile::open(&b.target, true).unwrap();
+    for (seed, at) in [(7, 0), (8, SIZE - CHUNK as u64)] {
+        b_direct.write_at(&pattern(seed, at, CHUNK), at).unwrap();
+    }
+    b_direct.sync().unwrap();
+    let exported = std::fs::read(&image).unwrap();
+
+    // A's stage goes on with the sockets the gate cut, and must fail on the fence.
+    let answer = tokio::time::timeout(Duration::from_secs(90), staging)
+        .await
+        .expect("A's NodeStage answers")
+        .unwrap();
+    let e = answer.expect_err("A staged a volume whose grant was revoked mid-call");
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert!(e.message().contains("fenced"), "{e:?}");
+    let metrics = a.daemon.scrape().await;
+    assert!(
+        metrics.contains("ustor_csi_node_fenced_volumes_total 1"),
+        "{metrics}"
+    );
+    // kubelet calls again with the same (revoked) publish context: refused again.
+    let e = a
+        .clients
+        .node
+        .node_stage_volume(stage)
+        .await
+        .expect_err("A's retried NodeStage staged a revoked volume");
+    assert_ne!(e.code(), Code::Ok);
+    assert!(
+        e.message().contains("grant") || e.message().contains("fenced"),
+        "{e:?}"
+    );
+    assert!(
+        std::fs::read(&image).unwrap() == exported,
+        "A changed the export after its grant was revoked"
+    );
+    a.clients
+        .node
+        .node_unstage_volume(unstage_request(&volume, &a.staging))
+        .await
+        .unwrap();
+    assert_clean(&a.daemon);
+
+    // B was never disturbed.
+    for (seed, at) in [(7, 0), (8, SIZE - CHUNK as u64)] {
+        assert!(
+            b_direct.read_at(CHUNK, at).unwrap() == pattern(seed, at, CHUNK),
+            "B reads back other data than it wrote at {at}"
+        );
+    }
+    // Closed first: an open device keeps its publish target busy.
+    drop(b_direct);
+    b.detach(&volume).await;
+    ctrl.controller_unpublish_volume(controller_unpublish_request(&volume, "node-b"))
+        .await
+        .unwrap();
     ctrl.delete_volume(delete_volume_request(&volume))
         .await
         .unwrap();

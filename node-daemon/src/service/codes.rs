@@ -143,6 +143,8 @@ fn code(rpc: Rpc, e: &NodeError) -> Code {
         N::NotStagedYet { .. } | N::WrongStagingPath { .. } => Code::FailedPrecondition,
         // Not retried into anything: the CO must unpublish and unstage it first.
         N::Fenced { .. } => Code::FailedPrecondition,
+        // Final: the stage is undone; the CO stages again only with a new publication.
+        N::FencedMidStage { .. } => Code::FailedPrecondition,
         N::OtherCapability { .. } => match rpc {
             // Spec, NodeStageVolume: "Volume published but is incompatible", ALREADY_EXISTS.
             Rpc::NodeStage => Code::AlreadyExists,

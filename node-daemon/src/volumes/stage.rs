@@ -201,7 +201,10 @@ impl Node {
             }
         };
         let volume = record.volume_id.clone();
-        let result = self.run_stage(record).await;
+        let result = self
+            .run_stage(record)
+            .await
+            .map_err(|e| self.fenced_mid_stage(&volume, e));
         if let Err(e) = &result {
             let answer = answer(Rpc::NodeStage, e);
             if may_undo && answer.then == Then::RollBack {
@@ -212,6 +215,28 @@ impl Node {
             }
         }
         result
+    }
+
+    /// A step that failed because the healer fenced the volume meanwhile (its redial was
+    /// refused: the volume was unpublished from this node mid-call) is told as the fence. A
+    /// read error it met is then no outage to retry but the end of this publication, and
+    /// the stage is undone like any final failure.
+    fn fenced_mid_stage(&self, volume: &VolumeId, e: NodeError) -> NodeError {
+        let fenced = self
+            .record(volume.as_str())
+            .is_some_and(|r| r.fenced.is_some());
+        if !fenced
+            || matches!(
+                e,
+                NodeError::Fenced { .. } | NodeError::FencedMidStage { .. }
+            )
+        {
+            return e;
+        }
+        NodeError::FencedMidStage {
+            volume: volume.to_string(),
+            source: Box::new(e),
+        }
     }
 
     /// A stage that failed before any device carried its identifier leaves no record behind.
