@@ -651,3 +651,103 @@ async fn an_expansion_that_meets_a_dead_link_waits_for_the_heal_and_holds_up_not
     vol.down(&mut c).await;
     assert_clean(&daemon);
 }
+
+/// A server that stops reading while writes are in flight (a hung process: its kernel keeps
+/// the connection and acknowledges, with the window shut) leaves the device's nbd sender
+/// blocked on a full socket, holding the connection's send lock, and the unstage's DISCONNECT
+/// is sent into it: it waits inside the kernel, under the mutex every nbd netlink request of
+/// the machine takes. The daemon sends it from a thread and a netlink socket of its own, so
+/// only the kernel holds anyone up, and only until the kernel gives up the stalled send
+/// (EAGAIN, about 13 s after the stop with a 4 s request timeout). While the server is still
+/// stopped the unstage answers, and a bystander whose connection was cut meanwhile is healed
+/// (its RECONFIGURE waited for that mutex) with its write on its export.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs root and the nbd module"]
+async fn a_disconnect_on_a_stalled_socket_holds_up_no_other_volume() {
+    const WRITERS: u64 = 8;
+    const CHUNK: u64 = 4 * MIB;
+    let mut daemon = NodeDaemon::new("stalled", CONFIG).unwrap();
+    // The window between the unstage's flush and its DISCONNECT, where the server stalls.
+    let mut c = daemon
+        .start(Some("unstage-before-disconnect=pause(4000)"))
+        .await;
+    let vol = Volume::new_on(&daemon, "stalled", WRITERS * CHUNK, block(), Listen::Tcp);
+    let other = Volume::new_on(&daemon, "bystander", 32 * MIB, block(), Listen::Tcp);
+    vol.stage(&mut c).await.unwrap();
+    other.up(&mut c).await;
+    let device = format!("/dev/{}", vol.device(&daemon).unwrap().name());
+
+    let unstage = {
+        let (mut node, req) = (c.node.clone(), unstage_request(&vol.id, &vol.staging));
+        tokio::spawn(async move {
+            let started = Instant::now();
+            (node.node_unstage_volume(req).await, started.elapsed())
+        })
+    };
+    daemon.wait_paused("unstage-before-disconnect").await;
+    let window = Instant::now();
+    // Writers that are not the daemon's keep more in flight than both socket buffers hold,
+    // until the device fails them.
+    let writers: Vec<_> = (0..WRITERS)
+        .map(|i| {
+            let device = std::path::PathBuf::from(&device);
+            std::thread::spawn(move || {
+                let Ok(f) = DirectFile::open(&device, true) else {
+                    return;
+                };
+                let data = pattern(40 + i, i * CHUNK, CHUNK as usize);
+                while f.write_at(&data, i * CHUNK).is_ok() {}
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    vol.server.freeze(true);
+    // The DISCONNECT is sent once the window ends, into a full socket.
+    tokio::time::sleep(Duration::from_secs(5).saturating_sub(window.elapsed())).await;
+
+    // The bystander loses its connection and must be healed meanwhile: a RECONFIGURE.
+    for c in journal_record(&daemon, &other.id)["tcp"]
+        .as_array()
+        .unwrap()
+    {
+        let local: std::net::SocketAddr = c["local"].as_str().unwrap().parse().unwrap();
+        let peer: std::net::SocketAddr = c["peer"].as_str().unwrap().parse().unwrap();
+        assert!(nbd::sockdiag::destroy_tcp(peer, local).unwrap());
+    }
+    let healed = {
+        let started = Instant::now();
+        let io = tokio::task::spawn_blocking({
+            let target = other.target.clone();
+            move || {
+                let f = DirectFile::open(&target, true)?;
+                f.write_at(&pattern(41, 0, 256 * 1024), 0)?;
+                f.sync()
+            }
+        });
+        tokio::time::timeout(Duration::from_secs(45), io)
+            .await
+            .expect("the bystander's I/O waited on the stalled volume's DISCONNECT")
+            .unwrap()
+            .unwrap();
+        started.elapsed()
+    };
+    let (answer, took) = tokio::time::timeout(Duration::from_secs(60), unstage)
+        .await
+        .expect("NodeUnstage of the stalled volume answers while its server is stopped")
+        .unwrap();
+    answer.unwrap_or_else(|e| panic!("NodeUnstage of the stalled volume: {e:?}"));
+    eprintln!(
+        "stalled DISCONNECT: unstage answered in {took:?}, the bystander healed in {healed:?}"
+    );
+    assert!(
+        other.read_backing(0, 256 * 1024) == pattern(41, 0, 256 * 1024),
+        "the bystander's write is not on its export"
+    );
+
+    vol.server.freeze(false);
+    for w in writers {
+        w.join().unwrap();
+    }
+    other.down(&mut c).await;
+    assert_clean(&daemon);
+}

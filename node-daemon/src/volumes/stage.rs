@@ -820,6 +820,7 @@ impl Node {
                 let tools = Arc::clone(&self.tools);
                 off_runtime("flush", move || Ok(tools.flush(&dev)?)).await?;
             }
+            crate::failpoints::pause("unstage-before-disconnect").await;
             self.disconnect(&record.volume_id, &device).await?;
             tracing::info!(volume = %record.volume_id, device = %device.index(), "detached");
         }

@@ -111,6 +111,22 @@ impl NbdServer {
         matches!(self.child.as_mut().map(|c| c.try_wait()), Some(Ok(None)))
     }
 
+    /// Stops (`SIGSTOP`) or resumes (`SIGCONT`) the server: a hung server process whose
+    /// kernel still holds its connections open and acknowledges, with the window shut.
+    pub fn freeze(&self, frozen: bool) {
+        let child = self.child.as_ref().expect("the server is not running");
+        let pid = libc::pid_t::try_from(child.id()).expect("a pid fits pid_t");
+        let signal = if frozen { libc::SIGSTOP } else { libc::SIGCONT };
+        // SAFETY: kill(2) takes plain integers; `pid` is our own child, not yet reaped.
+        let rc = unsafe { libc::kill(pid, signal) };
+        assert_eq!(
+            rc,
+            0,
+            "signalling the server: {}",
+            io::Error::last_os_error()
+        );
+    }
+
     /// SIGKILL: the server vanishes without closing anything cleanly, as a crashed one does.
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
