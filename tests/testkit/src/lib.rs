@@ -57,12 +57,39 @@ pub fn exited(child: &mut Option<std::process::Child>) -> Option<std::process::E
     child.as_mut().and_then(|c| c.try_wait().ok().flatten())
 }
 
-/// A port free right now on loopback, for a server the test starts next (the port may be
-/// taken again before it binds; tests run one at a time per machine, so it is not).
+/// A port free right now on loopback, for a server the test starts next, and restarts at.
+///
+/// It is chosen below the kernel's ephemeral range: a port from `bind(…:0)` is one the
+/// kernel hands out again as the local end of any client's `connect()`, so a parallel
+/// test's client can hold it by the time the server binds (CI saw nbdkit fail with
+/// "Address already in use" that way). Ports below the range are never given to clients (and
+/// 20000 up is clear of the ports nbd, kubelet and its kin listen on);
+/// a per-process counter keeps this process's tests apart, and the bind check other
+/// processes.
 pub fn free_port() -> std::io::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let ephemeral_low: u32 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().and_then(|n| n.parse().ok()))
+        .unwrap_or(32768);
+    let (low, high) = (20_000u32, ephemeral_low.max(20_001));
+    let span = high - low;
+    // Processes running at once start at different places of the range.
+    let start = std::process::id().wrapping_mul(7919) % span;
+    for _ in 0..span {
+        let offset = (start + NEXT.fetch_add(1, Ordering::Relaxed)) % span;
+        let Ok(port) = u16::try_from(low + offset) else {
+            continue;
+        };
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return Ok(port);
+        }
+    }
+    Err(std::io::Error::new(
+        std::io::ErrorKind::AddrInUse,
+        format!("no free loopback port in {low}..{high}"),
+    ))
 }
 
 /// The `/metrics` text served at `addr` (node daemon or controller), headers included.
