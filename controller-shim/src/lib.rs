@@ -10,11 +10,13 @@
 //! - [`ids`]: the opaque, validated volume and snapshot ids.
 //! - [`exports`]: the local backend's supervised NBD server and the grant gate in front of it.
 //! - [`kube`]: the Kubernetes glue (custom resources, StorageClasses, the node list).
+//! - [`import`]: `ustor-csi-controller import`, adopting an existing image as a PersistentVolume.
 
 pub mod backend;
 pub mod error;
 pub mod exports;
 pub mod ids;
+pub mod import;
 pub mod kube;
 pub mod metrics;
 pub mod provision;

@@ -1,5 +1,6 @@
 //! `ustor-csi-controller serve`: the CSI controller for external-provisioner, -attacher,
-//! -resizer and -snapshotter. The command line only: flags become [`Settings`], and
+//! -resizer and -snapshotter; `import`: an existing image adopted as a PersistentVolume.
+//! The command line only: flags become [`Settings`], and
 //! [`server::run`] starts it all.
 
 use std::net::SocketAddr;
@@ -33,6 +34,9 @@ enum BackendKind {
 #[derive(Debug, Subcommand)]
 enum Command {
     Serve(Box<ServeArgs>),
+    /// Adopt an existing uStor image (an old product's claim's) as a volume of this driver,
+    /// without copying it, and print its PersistentVolume (and claim) for `kubectl apply`.
+    Import(Box<ImportArgs>),
     /// Print the CustomResourceDefinitions (the content of deploy/crds.yaml).
     Crds,
     /// Print the manual page (roff), as the packages install it.
@@ -128,6 +132,58 @@ struct ServeArgs {
     namespace: String,
 }
 
+#[derive(Debug, Args)]
+struct ImportArgs {
+    /// The image, as `<pool>/<image>` on uStor.
+    #[arg(long)]
+    image: String,
+    /// The management API of the uStor holding it.
+    #[arg(long)]
+    ustor_url: String,
+    /// Directory with `username` and `password` files of a uStor user of the controller's.
+    #[arg(long, default_value = "/etc/ustor-csi/credentials")]
+    ustor_credentials: PathBuf,
+    /// CA certificate of the management API (PEM).
+    #[arg(long)]
+    ustor_ca: Option<PathBuf>,
+    /// Allow an http:// management API; for test setups only.
+    #[arg(long)]
+    ustor_allow_insecure_http: bool,
+    /// The MindUstorStorageConnection of that uStor, when the controller serves connections
+    /// (the volume id names it).
+    #[arg(long)]
+    connection: Option<String>,
+    /// The controller's --cluster-id, whose volume the image becomes.
+    #[arg(long, default_value = "k8s")]
+    cluster_id: String,
+    /// The PersistentVolume's name (default: `imported-<image>`).
+    #[arg(long)]
+    name: Option<String>,
+    /// `<namespace>/<name>` of the claim to bind it to; its manifest is printed too.
+    #[arg(long)]
+    claim: Option<String>,
+    /// The StorageClass of the volume and claim (one of a MindUstorStorageClass); none if not given.
+    #[arg(long)]
+    storage_class: Option<String>,
+    #[arg(long, default_value = "ReadWriteOnce")]
+    access_mode: String,
+    /// Filesystem or Block.
+    #[arg(long, default_value = "Filesystem")]
+    volume_mode: String,
+    /// The filesystem the image holds (Filesystem volumes).
+    #[arg(long, default_value = "ext4")]
+    fs_type: String,
+    /// Retain keeps the image when the claim goes; Delete deletes it with the volume.
+    #[arg(long, default_value = "Retain")]
+    reclaim_policy: String,
+    /// `<namespace>/<name>` of the connection's TLS Secret, for an export over TLS.
+    #[arg(long)]
+    node_stage_secret: Option<String>,
+    /// Connections per device (`nbdConnections`, 1-16), as a StorageClass parameter.
+    #[arg(long)]
+    nbd_connections: Option<u8>,
+}
+
 fn main() -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -141,6 +197,7 @@ fn main() -> Result<()> {
             Ok(())
         }
         Command::Serve(args) => serve(*args),
+        Command::Import(args) => import(*args),
         Command::Manpage => {
             use clap::CommandFactory;
             clap_mangen::Man::new(Cli::command())
@@ -249,6 +306,59 @@ fn serve(args: ServeArgs) -> Result<()> {
         .enable_all()
         .build()?
         .block_on(server::run(settings))?;
+    Ok(())
+}
+
+/// `<namespace>/<name>` of `flag`.
+fn namespaced(flag: &str, value: Option<String>) -> Result<Option<(String, String)>> {
+    value
+        .map(|v| match v.split_once('/') {
+            Some((ns, name)) if !ns.is_empty() && !name.is_empty() && !name.contains('/') => {
+                Ok((ns.to_owned(), name.to_owned()))
+            }
+            _ => anyhow::bail!("--{flag} {v:?} must be <namespace>/<name>"),
+        })
+        .transpose()
+}
+
+fn import(args: ImportArgs) -> Result<()> {
+    use controller_shim::import::{Objects, Source};
+    let Some((pool, image)) = args.image.split_once('/') else {
+        anyhow::bail!("--image {:?} must be <pool>/<image>", args.image);
+    };
+    let source = Source {
+        url: args.ustor_url,
+        credentials: args.ustor_credentials,
+        ca: args.ustor_ca,
+        connection: args.connection,
+        pool: pool.to_owned(),
+        image: image.to_owned(),
+        cluster_id: args.cluster_id,
+    };
+    let objects = Objects {
+        volume_name: args.name.unwrap_or_else(|| format!("imported-{image}")),
+        claim: namespaced("claim", args.claim)?,
+        storage_class: args.storage_class,
+        access_mode: args.access_mode,
+        volume_mode: args.volume_mode,
+        fs_type: args.fs_type,
+        reclaim_policy: args.reclaim_policy,
+        node_stage_secret: namespaced("node-stage-secret", args.node_stage_secret)?,
+        parameters: args
+            .nbd_connections
+            .map(|n| ("nbdConnections".to_owned(), n.to_string()))
+            .into_iter()
+            .collect(),
+    };
+    let yaml = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?
+        .block_on(controller_shim::import::run(
+            &source,
+            &objects,
+            args.ustor_allow_insecure_http,
+        ))?;
+    print!("{yaml}");
     Ok(())
 }
 

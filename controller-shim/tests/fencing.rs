@@ -50,6 +50,7 @@ async fn fixture() -> Fixture {
         published: BTreeMap::new(),
         mutable: BTreeMap::new(),
         grants: BTreeMap::new(),
+        adopted_by: None,
     };
     backend.create_volume(IMAGE, &meta).await.unwrap();
     let metrics = ControllerMetrics::default();

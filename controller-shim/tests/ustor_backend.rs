@@ -27,19 +27,7 @@ const MIB: i64 = 1 << 20;
 
 /// The uStor backend logging in to `server` as `csi` with `password` (kept under `dir`).
 fn backend(server: &FakeUstor, dir: &std::path::Path, password: &str) -> UstorBackend {
-    let creds = dir.join("credentials");
-    std::fs::create_dir_all(&creds).unwrap();
-    std::fs::write(creds.join("username"), "csi").unwrap();
-    std::fs::write(creds.join("password"), password).unwrap();
-    let api = UstorApi::new(
-        &server.url(),
-        None,
-        Arc::new(CredentialsDir::new(&creds)),
-        Timing::default(),
-        Arc::new(Instant::now),
-    )
-    .unwrap();
-    UstorBackend::new(Arc::new(api), "data")
+    common::ustor_backend(&server.url(), &common::ustor_credentials(dir, password))
 }
 
 async fn controller(

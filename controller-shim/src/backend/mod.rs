@@ -60,6 +60,10 @@ pub struct VolumeMeta {
     /// the backend's own: [`Backend::update_volume`] keeps what is stored.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub grants: BTreeMap<String, Grant>,
+    /// The cluster id that adopted the image (`ustor-csi-controller import`), whose name is
+    /// therefore not `<cluster id>-<name>`; `None` for the volumes CreateVolume made.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adopted_by: Option<String>,
 }
 
 impl VolumeMeta {

@@ -93,9 +93,12 @@ impl Provisioner {
         })
     }
 
-    /// Whether the volume keyed `key` is one this cluster made: a backend shared by several
-    /// clusters (uStor) holds theirs too, under their cluster ids.
+    /// Whether the volume keyed `key` is one this cluster made or adopted: a backend shared
+    /// by several clusters (uStor) holds theirs too, under their cluster ids.
     pub(super) fn is_ours(&self, key: &str, meta: &VolumeMeta) -> bool {
+        if let Some(cluster) = &meta.adopted_by {
+            return *cluster == self.cluster_id;
+        }
         let image = key.rsplit('/').next().unwrap_or(key);
         image_for(&self.cluster_id, &meta.name).is_ok_and(|ours| ours == image)
     }

@@ -8,10 +8,12 @@
 //! - [`snapshots`]: create, delete, list;
 //! - [`groups`]: group snapshots, whose members are taken at one point in time;
 //! - [`listing`]: ListVolumes and ControllerGetVolume, with each volume's condition;
-//! - [`claims`]: the claim check of a ReadWriteMany block volume.
+//! - [`claims`]: the claim check of a ReadWriteMany block volume;
+//! - [`import`]: adoption of an image another tool made, for `ustor-csi-controller import`.
 
 pub mod claims;
 pub mod groups;
+pub mod import;
 pub mod listing;
 pub mod publish;
 pub mod snapshots;

@@ -115,6 +115,7 @@ impl Provisioner {
             published: BTreeMap::new(),
             mutable,
             grants: BTreeMap::new(),
+            adopted_by: None,
         };
         self.backend.create_volume(&image, &meta).await?;
         tracing::info!(%image, size, "volume created");

@@ -393,3 +393,30 @@ pub fn create_as(cluster: &KubeCluster, user: &str, yaml: &str) -> Option<String
         .unwrap();
     (!out.status.success()).then(|| String::from_utf8_lossy(&out.stderr).into_owned())
 }
+
+/// A `username`/`password` directory under `dir` for the uStor user `csi`, as the
+/// controller's mounted Secret.
+pub fn ustor_credentials(dir: &Path, password: &str) -> std::path::PathBuf {
+    let creds = dir.join("credentials");
+    std::fs::create_dir_all(&creds).unwrap();
+    std::fs::write(creds.join("username"), "csi").unwrap();
+    std::fs::write(creds.join("password"), password).unwrap();
+    creds
+}
+
+/// The uStor backend (pool `data`) of the management API at `url`, logging in with `creds`.
+pub fn ustor_backend(
+    url: &str,
+    creds: &Path,
+) -> controller_shim::backend::ustor::backend::UstorBackend {
+    use controller_shim::backend::ustor::{api::UstorApi, credentials::CredentialsDir};
+    let api = UstorApi::new(
+        url,
+        None,
+        Arc::new(CredentialsDir::new(creds)),
+        Timing::default(),
+        Arc::new(std::time::Instant::now),
+    )
+    .unwrap();
+    controller_shim::backend::ustor::backend::UstorBackend::new(Arc::new(api), "data")
+}

@@ -189,6 +189,29 @@ impl FakeUstor {
         keys
     }
 
+    /// Adds the image `key` (`<pool>/<image>`) as another tool made it: `labels` (none of
+    /// this driver's, for an old product's image), exported by the NBD server at `nbd`.
+    pub fn add_image(&self, key: &str, size: u64, labels: Value, nbd: SocketAddr) {
+        let (_, name) = key.split_once('/').expect("a key is <pool>/<image>");
+        let image = json!({"name": name, "sizeBytes": size, "labels": labels,
+            "nbd": {"host": nbd.ip().to_string(), "port": nbd.port(), "export": name, "tls": false}});
+        self.inner
+            .images
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(key.to_owned(), image);
+    }
+
+    /// The labels of image `key`, if it exists.
+    pub fn labels(&self, key: &str) -> Option<Value> {
+        self.inner
+            .images
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(key)
+            .map(|image| image["labels"].clone())
+    }
+
     /// The token of `node`'s live grant of image `key` (`<pool>/<image>`).
     pub fn grant_token(&self, key: &str, node: &str) -> Option<String> {
         self.inner

@@ -75,8 +75,8 @@ pub async fn place(
     })
 }
 
-/// NodeUnpublish, NodeUnstage, ControllerUnpublish, DeleteVolume.
-pub async fn remove(
+/// NodeUnpublish, NodeUnstage, ControllerUnpublish: the volume is kept.
+pub async fn unplace(
     ctrl: &mut ControllerClient<Channel>,
     node: &mut NodeClients,
     daemon: &NodeDaemon,
@@ -93,6 +93,17 @@ pub async fn remove(
         &daemon.node_id,
     ))
     .await?;
+    Ok(())
+}
+
+/// [`unplace`], then DeleteVolume.
+pub async fn remove(
+    ctrl: &mut ControllerClient<Channel>,
+    node: &mut NodeClients,
+    daemon: &NodeDaemon,
+    placed: &Placed,
+) -> Result<(), Error> {
+    unplace(ctrl, node, daemon, placed).await?;
     ctrl.delete_volume(delete_volume_request(&placed.volume_id))
         .await?;
     Ok(())

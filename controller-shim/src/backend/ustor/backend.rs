@@ -142,13 +142,17 @@ fn encode<T: serde::Serialize>(v: &T) -> Result<String, UstorError> {
 }
 
 fn labels(meta: &VolumeMeta) -> Result<Value, UstorError> {
-    Ok(json!({
+    let mut labels = json!({
         "csi.name": meta.name,
         "csi.parameters": encode(&meta.parameters)?,
         "csi.source": encode(&meta.source)?,
         "csi.published": encode(&meta.published)?,
         "csi.mutable": encode(&meta.mutable)?,
-    }))
+    });
+    if let Some(cluster) = &meta.adopted_by {
+        labels["csi.adopted-by"] = json!(cluster);
+    }
+    Ok(labels)
 }
 
 fn label<T: serde::de::DeserializeOwned + Default>(
@@ -171,6 +175,7 @@ fn from_labels(image: &Image) -> Result<VolumeMeta, UstorError> {
         mutable: label(image, "csi.mutable")?,
         // uStor keeps grants itself, with their tokens.
         grants: BTreeMap::new(),
+        adopted_by: image.labels.get("csi.adopted-by").cloned(),
     })
 }
 
