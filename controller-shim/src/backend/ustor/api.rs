@@ -144,6 +144,10 @@ impl UstorApi {
         if let Some(pem) = ca_pem {
             let ca = reqwest::Certificate::from_pem(pem).map_err(UstorError::CaCertificate)?;
             builder = builder.tls_certs_only([ca]);
+        } else if base.starts_with("http://") {
+            // Plain HTTP trusts no certificate, so it needs no system trust store (which a
+            // minimal host or guest may lack: the client would not build without one).
+            builder = builder.tls_certs_only(std::iter::empty());
         }
         let http = builder.build().map_err(UstorError::HttpClient)?;
         Ok(Self {

@@ -100,7 +100,9 @@ pub enum UstorError {
     Credentials(#[from] CredentialsError),
     #[error("uStor CA certificate: {0}")]
     CaCertificate(#[source] reqwest::Error),
-    #[error("backend: HTTP client: {0}")]
+    #[error(
+        "backend: HTTP client: {0} (without a CA given, it trusts the system's CA certificates)"
+    )]
     HttpClient(#[source] reqwest::Error),
 
     #[error("uStor image key {key:?} names no pool")]
