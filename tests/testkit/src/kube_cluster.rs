@@ -1,7 +1,8 @@
 //! A real Kubernetes control plane for the glue tests: etcd, kube-apiserver and, on request,
-//! kube-controller-manager (which owns garbage collection), as child processes on loopback.
-//! The binaries come from `tests/kube/build-apiserver`'s cache, named by `$USTOR_KUBE_BIN`
-//! (`tests/kube/run` sets it). No kubelet runs: nodes are objects the tests create.
+//! kube-controller-manager (which owns garbage collection) and kube-scheduler, as child
+//! processes on loopback. The binaries come from `tests/kube/build-apiserver`'s cache, named by
+//! `$USTOR_KUBE_BIN` (`tests/kube/run` sets it). No kubelet runs here: nodes are objects the
+//! tests create, or the real node of the guest suite `vm_kubelet`.
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -23,6 +24,7 @@ pub struct KubeCluster {
     etcd: Child,
     apiserver: Option<Child>,
     controller_manager: Option<Child>,
+    scheduler: Option<Child>,
     etcd_url: String,
     port: u16,
     /// `https://127.0.0.1:<port>`.
@@ -84,6 +86,7 @@ impl KubeCluster {
             etcd,
             apiserver: None,
             controller_manager: None,
+            scheduler: None,
             etcd_url,
             port,
             url,
@@ -158,6 +161,22 @@ impl KubeCluster {
             .stderr(std::fs::File::create(root.join("controller-manager.log"))?)
             .spawn()?;
         self.controller_manager = Some(child);
+        Ok(())
+    }
+
+    /// Starts kube-scheduler, for pods of a real kubelet (no leader election: one replica).
+    pub fn start_scheduler(&mut self) -> io::Result<()> {
+        let root = self.root().to_owned();
+        let child = Command::new(bin_dir().join("kube-scheduler"))
+            .arg("--kubeconfig")
+            .arg(&self.kubeconfig)
+            .args(["--bind-address", "127.0.0.1", "--port", "0"])
+            .args(["--secure-port", &free_port()?.to_string()])
+            .arg("--leader-elect=false")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(root.join("scheduler.log"))?)
+            .spawn()?;
+        self.scheduler = Some(child);
         Ok(())
     }
 
@@ -322,9 +341,13 @@ impl Kubectl {
 impl Drop for KubeCluster {
     /// The API server stops before etcd: stopping both at once can hang the API server.
     fn drop(&mut self) {
-        for child in [self.controller_manager.take(), self.apiserver.take()]
-            .into_iter()
-            .flatten()
+        for child in [
+            self.scheduler.take(),
+            self.controller_manager.take(),
+            self.apiserver.take(),
+        ]
+        .into_iter()
+        .flatten()
         {
             let mut child = child;
             let _ = child.kill();
