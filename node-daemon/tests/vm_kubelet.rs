@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use testkit::command::{ok, run};
 use testkit::controller::ControllerProcess;
 use testkit::kernel_io_errors;
 use testkit::kube_cluster::Kubectl;
@@ -31,23 +32,6 @@ const FS_GROUP: u32 = 2345;
 const LOGS: &str = "/var/log/vm-kubelet";
 /// The host's API server, as QEMU forwards it to this guest (`tests/vm/run`).
 const API_SERVER: &str = "10.0.2.100:6443";
-
-/// Runs a command; returns its exit code and what it printed (stdout and stderr).
-fn run(program: &str, args: &[&str]) -> (i32, String) {
-    let out = Command::new(program)
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("{program}: {e}"));
-    let mut text = String::from_utf8_lossy(&out.stdout).into_owned();
-    text.push_str(&String::from_utf8_lossy(&out.stderr));
-    (out.status.code().unwrap_or(-1), text)
-}
-
-fn ok(program: &str, args: &[&str]) -> String {
-    let (code, out) = run(program, args);
-    assert_eq!(code, 0, "{program} {args:?} exited {code}: {out}");
-    out
-}
 
 fn kube() -> Kubectl {
     Kubectl {

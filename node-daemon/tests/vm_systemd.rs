@@ -7,13 +7,13 @@
 #![allow(clippy::cast_possible_truncation)] // buffer sizes of a few MiB, on 64-bit guests
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use csi_proto::csi::volume_capability::access_mode::Mode;
 use csi_proto::csi::{ProbeRequest, VolumeCapability};
+use testkit::command::{ok, run};
 use testkit::csi::*;
 use testkit::wait::eventually_blocking;
 use testkit::{kernel_io_errors, pattern};
@@ -43,23 +43,6 @@ fn image() -> PathBuf {
 
 fn export_uri() -> String {
     format!("nbd+unix:///?socket={WORK}/nbd.sock")
-}
-
-/// Runs a command; returns its exit code and what it printed (stdout and stderr).
-fn run(program: &str, args: &[&str]) -> (i32, String) {
-    let out = Command::new(program)
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("{program}: {e}"));
-    let mut text = String::from_utf8_lossy(&out.stdout).into_owned();
-    text.push_str(&String::from_utf8_lossy(&out.stderr));
-    (out.status.code().unwrap_or(-1), text)
-}
-
-fn ok(program: &str, args: &[&str]) -> String {
-    let (code, out) = run(program, args);
-    assert_eq!(code, 0, "{program} {args:?} exited {code}: {out}");
-    out
 }
 
 fn systemctl(args: &[&str]) -> String {

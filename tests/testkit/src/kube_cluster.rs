@@ -143,39 +143,39 @@ impl KubeCluster {
         }
     }
 
-    /// Starts kube-controller-manager (garbage collection of owned objects, among others).
-    pub fn start_controller_manager(&mut self) -> io::Result<()> {
-        let root = self.root().to_owned();
-        let child = Command::new(bin_dir().join("kube-controller-manager"))
-            .arg("--kubeconfig")
-            .arg(&self.kubeconfig)
-            .args(["--bind-address", "127.0.0.1", "--port", "0"])
-            .args(["--secure-port", &free_port()?.to_string()])
-            .args([
-                "--leader-elect=false",
-                "--use-service-account-credentials=false",
-            ])
-            .arg("--service-account-private-key-file")
-            .arg(root.join("sa.key"))
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(root.join("controller-manager.log"))?)
-            .spawn()?;
-        self.controller_manager = Some(child);
-        Ok(())
-    }
-
-    /// Starts kube-scheduler, for pods of a real kubelet (no leader election: one replica).
-    pub fn start_scheduler(&mut self) -> io::Result<()> {
-        let root = self.root().to_owned();
-        let child = Command::new(bin_dir().join("kube-scheduler"))
+    /// A control-plane component of `binary` as both are started: this cluster's kubeconfig,
+    /// serving only on loopback (no insecure port), no leader election (one replica), its
+    /// log in `<log>.log`.
+    fn component(&self, binary: &str, log: &str) -> io::Result<Command> {
+        let mut command = Command::new(bin_dir().join(binary));
+        command
             .arg("--kubeconfig")
             .arg(&self.kubeconfig)
             .args(["--bind-address", "127.0.0.1", "--port", "0"])
             .args(["--secure-port", &free_port()?.to_string()])
             .arg("--leader-elect=false")
             .stdout(Stdio::null())
-            .stderr(std::fs::File::create(root.join("scheduler.log"))?)
+            .stderr(std::fs::File::create(
+                self.root().join(format!("{log}.log")),
+            )?);
+        Ok(command)
+    }
+
+    /// Starts kube-controller-manager (garbage collection of owned objects, among others).
+    pub fn start_controller_manager(&mut self) -> io::Result<()> {
+        let child = self
+            .component("kube-controller-manager", "controller-manager")?
+            .arg("--use-service-account-credentials=false")
+            .arg("--service-account-private-key-file")
+            .arg(self.root().join("sa.key"))
             .spawn()?;
+        self.controller_manager = Some(child);
+        Ok(())
+    }
+
+    /// Starts kube-scheduler, for pods of a real kubelet.
+    pub fn start_scheduler(&mut self) -> io::Result<()> {
+        let child = self.component("kube-scheduler", "scheduler")?.spawn()?;
         self.scheduler = Some(child);
         Ok(())
     }

@@ -7,6 +7,7 @@
 // reason in the panic.
 #![allow(clippy::expect_used)]
 
+pub mod command;
 pub mod controller;
 pub mod csi;
 pub mod daemon;
