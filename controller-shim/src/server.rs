@@ -7,11 +7,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use csi_common::h2_front;
 use csi_proto::csi::controller_server::ControllerServer;
 use csi_proto::csi::group_controller_server::GroupControllerServer;
 use csi_proto::csi::identity_server::IdentityServer;
 use tokio::task::JoinHandle;
-use tokio_stream::wrappers::UnixListenerStream;
 
 use crate::backend::connections::ConnectionsBackend;
 use crate::backend::local::{LocalBackend, LocalError};
@@ -283,7 +283,7 @@ pub async fn serve(
         .add_service(IdentityServer::new(IdentityService))
         .add_service(ControllerServer::from_arc(Arc::clone(&controller)))
         .add_service(GroupControllerServer::from_arc(controller))
-        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), stop)
+        .serve_with_incoming_shutdown(h2_front::incoming(listener), stop)
         .await?;
     let _ = std::fs::remove_file(socket);
     if let Some(m) = metrics_server {

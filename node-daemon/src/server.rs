@@ -5,6 +5,9 @@
 //! 2. the CSI socket, so Probe answers "not ready" while recovery runs;
 //! 3. recovery; then the healer, and the kubelet registration socket.
 //!
+//! Both sockets serve through [`h2_front`]: kubelet's gRPC clients send the socket's path as
+//! the HTTP/2 authority, which tonic alone refuses.
+//!
 //! Shutdown stops serving and removes the sockets; it never touches a device: the kernel owns
 //! the data path, and a restart must not interrupt I/O.
 
@@ -12,13 +15,13 @@ use std::io;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use csi_common::h2_front;
 use csi_proto::csi::identity_server::IdentityServer;
 use csi_proto::csi::node_server::NodeServer;
 use csi_proto::registration::registration_server::RegistrationServer;
 use nbd::netlink::{LinkDeadEvents, NbdNetlink};
 use nbd::sysfs::Sysfs;
 use tokio::sync::watch;
-use tokio_stream::wrappers::UnixListenerStream;
 
 use crate::config::Settings;
 use crate::error::NodeError;
@@ -106,7 +109,7 @@ pub async fn run(settings: Settings) -> Result<(), StartError> {
         tonic::transport::Server::builder()
             .add_service(IdentityServer::new(IdentityService::new(Arc::clone(&node))))
             .add_service(NodeServer::new(NodeService::new(Arc::clone(&node))))
-            .serve_with_incoming_shutdown(UnixListenerStream::new(csi), stopped(stop_rx.clone())),
+            .serve_with_incoming_shutdown(h2_front::incoming(csi), stopped(stop_rx.clone())),
     );
     tracing::info!(socket = %settings.csi_socket.display(), node_id = %settings.node_id, "serving CSI; recovering");
 
@@ -164,7 +167,7 @@ pub async fn run(settings: Settings) -> Result<(), StartError> {
                         settings.csi_socket.clone(),
                     )))
                     .serve_with_incoming_shutdown(
-                        UnixListenerStream::new(listener),
+                        h2_front::incoming(listener),
                         stopped(stop_rx.clone()),
                     ),
             ))
