@@ -36,6 +36,16 @@ impl ControllerProcess {
         cluster_id: &str,
         kubeconfig: Option<&Path>,
     ) -> std::io::Result<(Self, ControllerClient<Channel>)> {
+        Self::start_with_args(cluster_id, kubeconfig, &[]).await
+    }
+
+    /// Like [`start_with`](Self::start_with), with `extra` arguments of `serve` (the
+    /// admission webhook's, for example).
+    pub async fn start_with_args(
+        cluster_id: &str,
+        kubeconfig: Option<&Path>,
+        extra: &[&str],
+    ) -> std::io::Result<(Self, ControllerClient<Channel>)> {
         let dir = tempfile::Builder::new().prefix("controller").tempdir()?;
         let socket = dir.path().join("csi.sock");
         let store = dir.path().join("store");
@@ -53,6 +63,7 @@ impl ControllerProcess {
             .arg(&store)
             .arg("--local-listen")
             .arg(listen.to_string())
+            .args(extra)
             .env("NO_COLOR", "1")
             .stdin(Stdio::null())
             .spawn()?;
