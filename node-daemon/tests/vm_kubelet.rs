@@ -30,6 +30,10 @@ const PAUSE: &str = "registry.k8s.io/pause:3.4.1";
 const CLASS: &str = "ustor-local";
 const FS_GROUP: u32 = 2345;
 const LOGS: &str = "/var/log/vm-kubelet";
+/// external-snapshotter's snapshot CRDs, unpacked by the harness.
+const SNAPSHOT_CRDS: &str = "/vm/kube/snapshot-crds";
+/// The VolumeSnapshotClass our controller's glue makes once the snapshot API is served.
+const SNAPSHOT_CLASS: &str = "csi-mind-ustor";
 /// The host's API server, as QEMU forwards it to this guest (`tests/vm/run`).
 const API_SERVER: &str = "10.0.2.100:6443";
 
@@ -73,7 +77,16 @@ fn diagnostics() -> String {
             "-o",
             "wide",
         ][..],
+        // Apart: before the snapshot CRDs are installed this one fails.
+        &["get", "volumesnapshots,volumesnapshotcontents", "-o", "wide"][..],
         &["get", "events", "--sort-by=.lastTimestamp"][..],
+        // What each pod's script said when it ended (the block pods say why they failed).
+        &[
+            "get",
+            "pods",
+            "-o",
+            "jsonpath={range .items[*]}{.metadata.name}: {.status.containerStatuses[*].state.terminated.message}{\"\\n\"}{end}",
+        ][..],
     ] {
         let out = kube().run(args).map(|o| {
             format!(
@@ -281,10 +294,13 @@ impl Sidecars {
         std::fs::create_dir_all(LOGS).unwrap();
         let csi = format!("--csi-address={}", socket.display());
         let kubeconfig = format!("--kubeconfig={KUBECONFIG}");
-        // deploy/base/controller.yaml's arguments; the HTTP endpoints on loopback.
-        let sidecars: [(&str, &[&str]); 3] = [
+        // deploy/base/controller.yaml's arguments (the snapshotter's from
+        // deploy/components/snapshotter), the HTTP endpoints on loopback; and the cluster's
+        // snapshot-controller, which talks to no driver.
+        let sidecars: [(&str, bool, &[&str]); 5] = [
             (
                 "csi-provisioner",
+                true,
                 &[
                     "--leader-election",
                     "--http-endpoint=127.0.0.1:8080",
@@ -296,6 +312,7 @@ impl Sidecars {
             ),
             (
                 "csi-attacher",
+                true,
                 &[
                     "--leader-election",
                     "--http-endpoint=127.0.0.1:8081",
@@ -304,16 +321,27 @@ impl Sidecars {
             ),
             (
                 "csi-resizer",
+                true,
                 &["--leader-election", "--http-endpoint=127.0.0.1:8082"],
+            ),
+            (
+                "csi-snapshotter",
+                true,
+                &["--leader-election", "--http-endpoint=127.0.0.1:8083"],
+            ),
+            (
+                "snapshot-controller",
+                false,
+                &["--leader-election", "--http-endpoint=127.0.0.1:8084"],
             ),
         ];
         let children = sidecars
             .iter()
-            .map(|(name, args)| {
+            .map(|(name, speaks_csi, args)| {
                 let log =
                     std::fs::File::create(Path::new(LOGS).join(format!("{name}.log"))).unwrap();
                 Command::new(name)
-                    .arg(&csi)
+                    .args(speaks_csi.then_some(&csi))
                     .arg(&kubeconfig)
                     .args(*args)
                     .stdin(Stdio::null())
@@ -338,22 +366,45 @@ impl Drop for Sidecars {
 
 // --- claims and pods -----------------------------------------------------------------------
 
+/// A claim of our StorageClass: a filesystem claim, ReadWriteOnce.
 fn claim_yaml(name: &str, bytes: &str) -> String {
+    claim_yaml_as(name, bytes, "ReadWriteOnce", "Filesystem")
+}
+
+fn claim_yaml_as(name: &str, bytes: &str, access: &str, volume_mode: &str) -> String {
     format!(
         "apiVersion: v1\nkind: PersistentVolumeClaim\nmetadata:\n  name: {name}\n  namespace: default\n\
-         spec:\n  accessModes: [ReadWriteOnce]\n  storageClassName: {CLASS}\n\
+         spec:\n  accessModes: [{access}]\n  volumeMode: {volume_mode}\n  storageClassName: {CLASS}\n\
          \x20 resources:\n    requests:\n      storage: {bytes}\n"
     )
 }
 
-/// A busybox pod running `script` with the claim at /data, fsGroup set, never restarted.
+/// A busybox pod running `script` with the claim at /data (read-only if asked), fsGroup set,
+/// never restarted.
 fn pod_yaml(name: &str, claim: &str, script: &str) -> String {
+    pod_yaml_with(name, claim, script, false)
+}
+
+fn pod_yaml_with(name: &str, claim: &str, script: &str, read_only: bool) -> String {
     format!(
         "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {name}\n  namespace: default\n\
          spec:\n  restartPolicy: Never\n  automountServiceAccountToken: false\n\
          \x20 terminationGracePeriodSeconds: 2\n  securityContext:\n    fsGroup: {FS_GROUP}\n\
          \x20 containers:\n  - name: main\n    image: {BUSYBOX}\n    command: [sh, -c, {script:?}]\n\
          \x20   volumeMounts:\n    - name: data\n      mountPath: /data\n\
+         \x20 volumes:\n  - name: data\n    persistentVolumeClaim:\n      claimName: {claim}\n\
+         \x20     readOnly: {read_only}\n"
+    )
+}
+
+/// A busybox pod running `script` with the raw block claim as the device /dev/xvda.
+fn block_pod_yaml(name: &str, claim: &str, script: &str) -> String {
+    format!(
+        "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {name}\n  namespace: default\n\
+         spec:\n  restartPolicy: Never\n  automountServiceAccountToken: false\n\
+         \x20 terminationGracePeriodSeconds: 2\n\
+         \x20 containers:\n  - name: main\n    image: {BUSYBOX}\n    command: [sh, -c, {script:?}]\n\
+         \x20   volumeDevices:\n    - name: data\n      devicePath: /dev/xvda\n\
          \x20 volumes:\n  - name: data\n    persistentVolumeClaim:\n      claimName: {claim}\n"
     )
 }
@@ -445,10 +496,6 @@ const WRITER: &str = "dd if=/dev/urandom of=/data/blob bs=1M count=8 && sha256su
      dd if=/dev/zero of=/data/io bs=64k count=16 conv=fsync 2>/dev/null || echo failed >>/data/io-errors; \
      echo x >>/data/io-count; sleep 0.2; done";
 
-/// The reader pod's script: the digest holds, and no write of the writer ever failed.
-const READER: &str =
-    "sha256sum -c /data/blob.sha256 && test ! -e /data/io-errors && test -s /data/io-count";
-
 fn io_count(published: &Path) -> usize {
     std::fs::read_to_string(published.join("io-count"))
         .map(|t| t.lines().count())
@@ -468,50 +515,293 @@ fn wait_io_progress(published: &Path, n: usize, what: &str) {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "vm: needs the booted real-node root of tests/vm/run"]
-async fn pods_use_our_volumes_through_a_real_kubelet() {
-    let started = Instant::now();
-    install_node_service();
-    start_containerd();
-    // kubelet checks that its node address is this machine's: systemd-networkd sets it.
-    wait_for(
-        "the control plane reachable",
-        Duration::from_secs(60),
-        || {
-            std::net::TcpStream::connect_timeout(
-                &API_SERVER.parse().unwrap(),
-                Duration::from_secs(2),
-            )
-            .ok()
-        },
-    );
-    start_kubelet();
-    wait_for("node Ready", Duration::from_secs(300), || {
-        node_ready().then_some(())
-    });
-    // Our daemon registered itself through kubelet's plugin watcher: kubelet wrote the
-    // CSINode entry and the node's id annotation from our NodeGetInfo.
-    wait_for("CSINode lists our driver", Duration::from_secs(120), || {
-        (field("csinode", NODE, ".spec.drivers[*].name") == DRIVER).then_some(())
-    });
-    assert_eq!(
-        field("csinode", NODE, ".spec.drivers[0].nodeID"),
-        NODE,
-        "the node id kubelet registered"
-    );
-    eprintln!("node ready after {:.0} s", started.elapsed().as_secs_f64());
+/// The block pods' scripts see the claim grow to this (96 MiB, from 64).
+const GROWN: u64 = 96 << 20;
 
-    let (controller, _ctrl) = ControllerProcess::start_with("kubelet", Some(Path::new(KUBECONFIG)))
-        .await
+/// The reader pod's script (the claim mounted read-only): the digest holds, no write of the writer ever failed, the volume is
+/// mounted read-only in the pod and a write to it fails.
+const READER: &str = "sha256sum -c /data/blob.sha256 && test ! -e /data/io-errors && test -s /data/io-count \
+     && awk '$2 == \"/data\" {print $4}' /proc/mounts | grep -q '^ro' && ! touch /data/ro-probe 2>/dev/null";
+
+/// The reader of the claim restored from a snapshot: the digest holds, and the filesystem is
+/// larger than the 96 MiB source could hold (the node grew it to the larger claim).
+const RESTORED_READER: &str =
+    "sha256sum -c /data/blob.sha256 && test $(df -Pk /data | awk 'NR == 2 {print $2}') -gt 102400";
+
+/// The first pod of the raw block claim: 4 MiB of random data at the device's start and its
+/// digest at 8 MiB, both synced; then it waits until it sees the device grown and says the
+/// size it saw as its termination message.
+const BLOCK_WRITER: &str = "dd if=/dev/urandom of=/tmp/blob bs=1M count=4 2>/dev/null \
+     && dd if=/tmp/blob of=/dev/xvda bs=1M conv=notrunc,fsync 2>/dev/null \
+     && sha256sum /tmp/blob | cut -c1-64 >/tmp/sum \
+     && dd if=/tmp/sum of=/dev/xvda bs=512 seek=16384 conv=notrunc,sync,fsync 2>/dev/null || exit 1; \
+     while [ $(blockdev --getsize64 /dev/xvda) -lt 100663296 ]; do sleep 1; done; \
+     blockdev --getsize64 /dev/xvda >/dev/termination-log";
+
+/// The second pod, on the same claim at the same time: waits for the writer's digest, checks
+/// the data against it, then waits for the grown device like the writer.
+const BLOCK_READER: &str = "until want=$(dd if=/dev/xvda bs=512 skip=16384 count=1 2>/dev/null | head -c 64) \
+     && echo \"$want\" | grep -qE '^[0-9a-f]{64}$'; do sleep 1; done; \
+     got=$(dd if=/dev/xvda bs=1M count=4 2>/dev/null | sha256sum | cut -c1-64); \
+     if [ \"$got\" != \"$want\" ]; then echo \"read $got, the writer wrote $want\" >/dev/termination-log; exit 1; fi; \
+     while [ $(blockdev --getsize64 /dev/xvda) -lt 100663296 ]; do sleep 1; done; \
+     blockdev --getsize64 /dev/xvda >/dev/termination-log";
+
+/// The user the admission rules let have a ReadWriteMany block claim (the controller's
+/// default `--webhook-migration-users`), as KubeVirt's controller would ask for one.
+const MIGRATION_USER: &str = "system:serviceaccount:d8-virtualization:virtualization-controller";
+
+/// The container's termination message (what its script wrote to /dev/termination-log).
+fn termination_message(pod: &str) -> String {
+    field(
+        "pod",
+        pod,
+        ".status.containerStatuses[0].state.terminated.message",
+    )
+    .trim()
+    .to_owned()
+}
+
+/// Asks for more room on a claim, as a user does.
+fn expand_claim(claim: &str, size: &str) {
+    kubectl(&[
+        "patch",
+        "pvc",
+        claim,
+        "-p",
+        &format!("{{\"spec\":{{\"resources\":{{\"requests\":{{\"storage\":\"{size}\"}}}}}}}}"),
+    ]);
+}
+
+/// The size of the filesystem mounted at `path`, as df reports it.
+fn filesystem_bytes(path: &Path) -> u64 {
+    let out = ok("df", &["-B1", "--output=size", path.to_str().unwrap()]);
+    out.lines()
+        .nth(1)
+        .and_then(|l| l.trim().parse().ok())
+        .unwrap_or_else(|| panic!("df of {}: {out}", path.display()))
+}
+
+/// The controller's admission webhook as `deploy/base/webhook.yaml` configures it, reached at
+/// the URL the harness forwards from the host (where the API server runs) to this guest's
+/// port 9443, instead of through the Service. The controller, run with
+/// `--webhook-cert-issue`, makes its certificate and fills in the caBundle.
+fn configure_webhook() {
+    let base = std::fs::read_to_string("/vm/kube/webhook-url").expect("the harness's webhook URL");
+    let rendered = kube()
+        .ok(
+            &["create", "--dry-run=client", "-o", "json", "-f", "-"],
+            Some(include_str!("../../deploy/base/webhook.yaml")),
+        )
         .unwrap();
-    let _sidecars = Sidecars::start(&controller.socket);
+    let mut items = Vec::new();
+    for value in serde_json::Deserializer::from_str(&rendered).into_iter::<serde_json::Value>() {
+        let value = value.unwrap();
+        match value["items"].as_array() {
+            Some(list) => items.extend(list.iter().cloned()),
+            None => items.push(value),
+        }
+    }
+    let mut configurations: Vec<serde_json::Value> = items
+        .into_iter()
+        .filter(|o| {
+            o["kind"]
+                .as_str()
+                .is_some_and(|k| k.ends_with("WebhookConfiguration"))
+        })
+        .collect();
+    assert_eq!(
+        configurations.len(),
+        2,
+        "deploy/base/webhook.yaml's configurations"
+    );
+    for config in &mut configurations {
+        for hook in config["webhooks"].as_array_mut().unwrap() {
+            let path = hook["clientConfig"]["service"]["path"]
+                .as_str()
+                .unwrap()
+                .to_owned();
+            hook["clientConfig"] = serde_json::json!({ "url": format!("{}{path}", base.trim()) });
+        }
+    }
+    apply(
+        &serde_json::json!({ "apiVersion": "v1", "kind": "List", "items": configurations })
+            .to_string(),
+    );
+    for kind in [
+        "validatingwebhookconfiguration",
+        "mutatingwebhookconfiguration",
+    ] {
+        wait_for(
+            &format!("the controller fills the {kind}'s caBundle"),
+            Duration::from_secs(120),
+            || {
+                (!field(
+                    kind,
+                    "d8-csi-mind-ustor",
+                    ".webhooks[0].clientConfig.caBundle",
+                )
+                .is_empty())
+                .then_some(())
+            },
+        );
+    }
+}
+
+fn remove_webhook() {
+    kubectl(&[
+        "delete",
+        "validatingwebhookconfiguration,mutatingwebhookconfiguration",
+        "d8-csi-mind-ustor",
+        "--ignore-not-found",
+    ]);
+}
+
+/// `kubectl create` of `yaml` as `user` (with the admin's group, so that only the webhook
+/// can refuse it).
+fn create_as(user: &str, yaml: &str) {
+    kube()
+        .ok(
+            &[
+                "create",
+                "--as",
+                user,
+                "--as-group",
+                "system:masters",
+                "-f",
+                "-",
+            ],
+            Some(yaml),
+        )
+        .unwrap_or_else(|e| panic!("kubectl create as {user}: {e}\n{yaml}\n{}", diagnostics()));
+}
+
+/// The node, once per guest: our package, containerd, kubelet joined to the control plane,
+/// and our driver registered with kubelet.
+fn node_up() {
+    static UP: std::sync::Once = std::sync::Once::new();
+    UP.call_once(|| {
+        let started = Instant::now();
+        install_node_service();
+        start_containerd();
+        // kubelet checks that its node address is this machine's: systemd-networkd sets it.
+        wait_for(
+            "the control plane reachable",
+            Duration::from_secs(60),
+            || {
+                std::net::TcpStream::connect_timeout(
+                    &API_SERVER.parse().unwrap(),
+                    Duration::from_secs(2),
+                )
+                .ok()
+            },
+        );
+        start_kubelet();
+        wait_for("node Ready", Duration::from_secs(300), || {
+            node_ready().then_some(())
+        });
+        // Our daemon registered itself through kubelet's plugin watcher: kubelet wrote the
+        // CSINode entry and the node's id annotation from our NodeGetInfo.
+        wait_for("CSINode lists our driver", Duration::from_secs(120), || {
+            (field("csinode", NODE, ".spec.drivers[*].name") == DRIVER).then_some(())
+        });
+        assert_eq!(
+            field("csinode", NODE, ".spec.drivers[0].nodeID"),
+            NODE,
+            "the node id kubelet registered"
+        );
+        eprintln!("node ready after {:.0} s", started.elapsed().as_secs_f64());
+    });
+}
+
+/// The controller (local backend, its Kubernetes glue, extra `serve` arguments) and the
+/// sidecars, with our CSIDriver and a `WaitForFirstConsumer` StorageClass applied.
+async fn controller_up(extra: &[&str]) -> (ControllerProcess, Sidecars) {
+    let (controller, _ctrl) =
+        ControllerProcess::start_with_args("kubelet", Some(Path::new(KUBECONFIG)), extra)
+            .await
+            .unwrap();
+    // The snapshot API, as a cluster with snapshots has it installed: external-snapshotter's
+    // CRDs (the harness unpacks them), before the snapshot-controller watches them.
+    let crds: Vec<String> = std::fs::read_dir(SNAPSHOT_CRDS)
+        .unwrap()
+        .map(|e| e.unwrap().path().display().to_string())
+        .collect();
+    assert_eq!(crds.len(), 3, "the snapshot CRDs in {SNAPSHOT_CRDS}");
+    // kubectl 1.20 does not know the CEL rules (x-kubernetes-validations) of these CRDs; the
+    // 1.20 API server drops them.
+    for crd in &crds {
+        kubectl(&["apply", "--validate=false", "-f", crd]);
+    }
+    for crd in &crds {
+        kubectl(&[
+            "wait",
+            "--for=condition=Established",
+            "--timeout=60s",
+            "-f",
+            crd,
+        ]);
+    }
+    let sidecars = Sidecars::start(&controller.socket);
     apply(include_str!("../../deploy/base/csidriver.yaml"));
     apply(&format!(
         "apiVersion: storage.k8s.io/v1\nkind: StorageClass\nmetadata:\n  name: {CLASS}\n\
          provisioner: {DRIVER}\nreclaimPolicy: Delete\nallowVolumeExpansion: true\n\
          volumeBindingMode: WaitForFirstConsumer\nparameters:\n  csi.storage.k8s.io/fstype: ext4\n"
     ));
+    (controller, sidecars)
+}
+
+/// Deleting the claims leaves nothing behind: no PersistentVolume, no attachment, no mount,
+/// no device serving a volume, no backend image; `status` exits 0.
+fn assert_nothing_left(controller: &ControllerProcess) {
+    wait_for("no PersistentVolume left", Duration::from_secs(300), || {
+        kubectl(&["get", "pv", "-o", "name"])
+            .trim()
+            .is_empty()
+            .then_some(())
+    });
+    wait_for("no VolumeAttachment left", Duration::from_secs(180), || {
+        kubectl(&["get", "volumeattachments", "-o", "name"])
+            .trim()
+            .is_empty()
+            .then_some(())
+    });
+    assert_eq!(our_mounts(), Vec::<String>::new(), "mounts left behind");
+    let (code, status) = run("ustor-csi-node", &["status", "--json"]);
+    assert_eq!(code, 0, "status: {status}");
+    let status: serde_json::Value = serde_json::from_str(&status).unwrap();
+    assert!(
+        status["devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|d| d["volume"].is_null()),
+        "a device still serves a volume: {status}"
+    );
+    for kind in ["images", "snapshots"] {
+        let left: Vec<_> = std::fs::read_dir(controller.store.join(kind))
+            .map(|d| d.flatten().map(|e| e.file_name()).collect())
+            .unwrap_or_default();
+        assert!(left.is_empty(), "backend {kind} left: {left:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs the booted real-node root of tests/vm/run"]
+async fn pods_use_our_volumes_through_a_real_kubelet() {
+    let started = Instant::now();
+    node_up();
+    let (controller, _sidecars) = controller_up(&[
+        "--webhook-address",
+        "0.0.0.0:9443",
+        "--webhook-cert-issue",
+        "--webhook-cert-names",
+        "127.0.0.1",
+    ])
+    .await;
+    // After the StorageClass: the webhook lets only the controller write our StorageClasses.
+    configure_webhook();
 
     // A claim bound when its first pod is scheduled, mounted in that pod, written by it.
     apply(&claim_yaml("claim-fs", "64Mi"));
@@ -578,54 +868,270 @@ async fn pods_use_our_volumes_through_a_real_kubelet() {
         10,
         "the pod's writes after the service's restart",
     );
+
+    // Online expansion of the mounted claim under the pod's writes: the resizer grows the
+    // image, kubelet asks our node to grow the filesystem, the pod sees the room.
+    let fs_before = filesystem_bytes(&published);
+    assert!(
+        fs_before <= 64 << 20,
+        "{fs_before} bytes before the expansion"
+    );
+    expand_claim("claim-fs", "96Mi");
+    wait_for(
+        "the claim's capacity 96Mi",
+        Duration::from_secs(300),
+        || (field("pvc", "claim-fs", ".status.capacity.storage") == "96Mi").then_some(()),
+    );
+    wait_for(
+        "the pod's filesystem grown",
+        Duration::from_secs(120),
+        || (filesystem_bytes(&published) > 80 << 20).then_some(()),
+    );
+    wait_for(
+        "kubelet's stats show the grown volume",
+        Duration::from_secs(120),
+        || {
+            summary_capacity("writer", "claim-fs")
+                .is_some_and(|c| c > 80 << 20)
+                .then_some(())
+        },
+    );
+    wait_io_progress(&published, 5, "the pod's writes after the expansion");
     assert_eq!(
         kernel_io_errors(),
         errors_before,
         "the kernel logged I/O errors"
     );
 
-    // The pod deleted and another started on the claim: the data is there.
+    // A snapshot of the claim while its pod writes, restored into a larger claim: the data
+    // is there, and the restored filesystem has the larger claim's room.
+    wait_for(
+        "the glue's VolumeSnapshotClass",
+        Duration::from_secs(120),
+        || (field("volumesnapshotclass", SNAPSHOT_CLASS, ".driver") == DRIVER).then_some(()),
+    );
+    apply(&format!(
+        "apiVersion: snapshot.storage.k8s.io/v1\nkind: VolumeSnapshot\nmetadata:\n  name: snap-fs\n\
+         \x20 namespace: default\nspec:\n  volumeSnapshotClassName: {SNAPSHOT_CLASS}\n\
+         \x20 source:\n    persistentVolumeClaimName: claim-fs\n"
+    ));
+    wait_for(
+        "the snapshot ready to use",
+        Duration::from_secs(300),
+        || (field("volumesnapshot", "snap-fs", ".status.readyToUse") == "true").then_some(()),
+    );
+    apply(&format!(
+        "{}\x20 dataSource:\n    apiGroup: snapshot.storage.k8s.io\n    kind: VolumeSnapshot\n\
+         \x20   name: snap-fs\n",
+        claim_yaml("claim-restored", "128Mi")
+    ));
+    apply(&pod_yaml(
+        "restored-reader",
+        "claim-restored",
+        RESTORED_READER,
+    ));
+    wait_phase("restored-reader", "Succeeded", Duration::from_secs(300));
+    delete_pod("restored-reader");
+    assert_eq!(
+        field("pvc", "claim-restored", ".status.capacity.storage"),
+        "128Mi"
+    );
+
+    // The pod deleted and another started on the claim, read-only: the data is there, and the
+    // pod cannot write.
     delete_pod("writer");
     assert!(
         mounted_device(&published).is_none(),
         "the deleted pod's volume is still mounted"
     );
-    apply(&pod_yaml("reader", "claim-fs", READER));
+    apply(&pod_yaml_with("reader", "claim-fs", READER, true));
     wait_phase("reader", "Succeeded", Duration::from_secs(300));
     delete_pod("reader");
 
-    // Deleting everything leaves nothing behind: no attachment, no mount, no device, no image.
-    kubectl(&["delete", "pvc", "claim-fs", "--wait=true", "--timeout=180s"]);
-    wait_for("no PersistentVolume left", Duration::from_secs(180), || {
-        kubectl(&["get", "pv", "-o", "name"])
-            .trim()
-            .is_empty()
-            .then_some(())
-    });
-    wait_for("no VolumeAttachment left", Duration::from_secs(180), || {
-        kubectl(&["get", "volumeattachments", "-o", "name"])
-            .trim()
-            .is_empty()
-            .then_some(())
-    });
-    assert_eq!(our_mounts(), Vec::<String>::new(), "mounts left behind");
-    let (code, status) = run("ustor-csi-node", &["status", "--json"]);
-    assert_eq!(code, 0, "status: {status}");
-    let status: serde_json::Value = serde_json::from_str(&status).unwrap();
-    assert!(
-        status["devices"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .all(|d| d["volume"].is_null()),
-        "a device still serves a volume: {status}"
+    // A raw block claim, ReadWriteMany as a VM's live migration has it: the webhook admits
+    // and stamps it for a migration user (CreateVolume requires the stamp), and two pods use
+    // the device at once, one reading what the other wrote.
+    create_as(
+        MIGRATION_USER,
+        &claim_yaml_as("claim-block", "64Mi", "ReadWriteMany", "Block"),
     );
-    let images: Vec<_> = std::fs::read_dir(controller.store.join("images"))
-        .map(|d| d.flatten().map(|e| e.file_name()).collect())
-        .unwrap_or_default();
-    assert!(images.is_empty(), "backend images left: {images:?}");
+    assert!(
+        field(
+            "pvc",
+            "claim-block",
+            ".metadata.annotations.ustor-nbd\\.csi\\.mindsw\\.io/admitted"
+        )
+        .starts_with("v1."),
+        "the webhook did not stamp the block claim\n{}",
+        diagnostics()
+    );
+    apply(&block_pod_yaml("block-writer", "claim-block", BLOCK_WRITER));
+    apply(&block_pod_yaml("block-reader", "claim-block", BLOCK_READER));
+    wait_phase("block-writer", "Running", Duration::from_secs(300));
+    wait_phase("block-reader", "Running", Duration::from_secs(300));
+    // Neither can end before the device grows: both have it open now.
+    assert_eq!(pod_phase("block-writer"), "Running");
+    // Grown while both pods hold the device: kubelet calls NodeExpandVolume for a raw block
+    // volume too, and the pods see the new size without a restart.
+    expand_claim("claim-block", "96Mi");
+    wait_for(
+        "the block claim's capacity 96Mi",
+        Duration::from_secs(300),
+        || (field("pvc", "claim-block", ".status.capacity.storage") == "96Mi").then_some(()),
+    );
+    for pod in ["block-writer", "block-reader"] {
+        wait_phase(pod, "Succeeded", Duration::from_secs(180));
+        assert_eq!(
+            termination_message(pod),
+            GROWN.to_string(),
+            "the size {pod} saw"
+        );
+    }
+    delete_pod("block-writer");
+    delete_pod("block-reader");
+    assert_eq!(
+        kernel_io_errors(),
+        errors_before,
+        "the kernel logged I/O errors"
+    );
+
+    // Deleting everything leaves nothing behind: no attachment, no mount, no device, no image.
+    kubectl(&[
+        "delete",
+        "volumesnapshot",
+        "snap-fs",
+        "--wait=true",
+        "--timeout=180s",
+    ]);
+    kubectl(&[
+        "delete",
+        "pvc",
+        "claim-fs",
+        "claim-restored",
+        "claim-block",
+        "--wait=true",
+        "--timeout=180s",
+    ]);
+    wait_for(
+        "no VolumeSnapshotContent left",
+        Duration::from_secs(180),
+        || {
+            kubectl(&["get", "volumesnapshotcontents", "-o", "name"])
+                .trim()
+                .is_empty()
+                .then_some(())
+        },
+    );
+    assert_nothing_left(&controller);
+    remove_webhook();
     eprintln!(
         "the real node's scenarios took {:.0} s",
         started.elapsed().as_secs_f64()
     );
+}
+
+/// How many pods each half of the latency benchmark starts.
+const LATENCY_PODS: usize = 20;
+
+/// A pod that only holds its claim.
+fn holding_pod(name: &str, claim: &str) -> String {
+    pod_yaml(name, claim, "sleep 3600")
+}
+
+/// The names of the pods of `phase` among those labelled by the benchmark.
+fn pods_in_phase(phase: &str) -> Vec<String> {
+    kubectl(&[
+        "get",
+        "pods",
+        "-o",
+        &format!(
+            "jsonpath={{range .items[?(@.status.phase==\"{phase}\")]}}{{.metadata.name}}{{\"\\n\"}}{{end}}"
+        ),
+    ])
+    .lines()
+    .map(str::to_owned)
+    .collect()
+}
+
+/// The nearest-rank percentile `p` (in per cent) of `sorted`.
+fn percentile(sorted: &[Duration], p: usize) -> Duration {
+    let rank = (p * sorted.len()).div_ceil(100);
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+fn report(what: &str, times: &mut [Duration]) {
+    times.sort();
+    eprintln!(
+        "LATENCY {what}: n={} p50={:.1}s p95={:.1}s max={:.1}s",
+        times.len(),
+        percentile(times, 50).as_secs_f64(),
+        percentile(times, 95).as_secs_f64(),
+        times.last().unwrap().as_secs_f64()
+    );
+}
+
+/// A benchmark, not a gate (CI skips it; `tests/vm/run --filter kubelet_latency` runs it):
+/// claim → pod Running through the real scheduler, provisioner, attacher, kubelet and our
+/// node, for pods one after another and for pods all at once, p50, p95 and max. The times
+/// are taken by polling the API, so they are good to about half a second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs the booted real-node root of tests/vm/run"]
+async fn kubelet_latency_of_claims_to_running_pods() {
+    node_up();
+    let (controller, _sidecars) = controller_up(&[]).await;
+
+    let mut one_by_one = Vec::new();
+    for i in 0..LATENCY_PODS {
+        let name = format!("serial-{i}");
+        let started = Instant::now();
+        apply(&format!(
+            "{}---\n{}",
+            claim_yaml(&name, "32Mi"),
+            holding_pod(&name, &name)
+        ));
+        wait_for(
+            &format!("pod {name} Running"),
+            Duration::from_secs(300),
+            || (pod_phase(&name) == "Running").then_some(()),
+        );
+        one_by_one.push(started.elapsed());
+    }
+    report("one after another", &mut one_by_one);
+
+    let names: Vec<String> = (0..LATENCY_PODS).map(|i| format!("storm-{i}")).collect();
+    let manifests: Vec<String> = names
+        .iter()
+        .map(|n| format!("{}---\n{}", claim_yaml(n, "32Mi"), holding_pod(n, n)))
+        .collect();
+    let started = Instant::now();
+    apply(&manifests.join("---\n"));
+    let mut at_once = Vec::new();
+    let mut waiting: std::collections::HashSet<String> = names.iter().cloned().collect();
+    wait_for(
+        "every pod of the storm Running",
+        Duration::from_secs(900),
+        || {
+            let running = pods_in_phase("Running");
+            for name in running {
+                if waiting.remove(&name) {
+                    at_once.push(started.elapsed());
+                }
+            }
+            assert!(
+                pods_in_phase("Failed").is_empty(),
+                "a pod failed\n{}",
+                diagnostics()
+            );
+            waiting.is_empty().then_some(())
+        },
+    );
+    report(&format!("{LATENCY_PODS} at once"), &mut at_once);
+    eprintln!(
+        "LATENCY {LATENCY_PODS} at once: all Running after {:.1}s",
+        started.elapsed().as_secs_f64()
+    );
+
+    kubectl(&["delete", "pods", "--all", "--wait=true", "--timeout=600s"]);
+    kubectl(&["delete", "pvc", "--all", "--wait=true", "--timeout=600s"]);
+    assert_nothing_left(&controller);
 }
