@@ -26,6 +26,8 @@ pub struct KubeCluster {
     controller_manager: Option<Child>,
     scheduler: Option<Child>,
     etcd_url: String,
+    /// The egress selector configuration the API server runs with, if any.
+    egress_config: Option<PathBuf>,
     port: u16,
     /// `https://127.0.0.1:<port>`.
     pub url: String,
@@ -38,6 +40,13 @@ pub struct KubeCluster {
 impl KubeCluster {
     /// Starts etcd and the API server and waits until `/readyz` answers.
     pub fn start() -> io::Result<Self> {
+        Self::start_with_egress(None)
+    }
+
+    /// Like [`start`](Self::start), with the API server's connections to kubelets and
+    /// webhooks sent through the HTTP CONNECT proxy on the unix socket `egress`
+    /// ([`crate::egress`]), when given.
+    pub fn start_with_egress(egress: Option<&Path>) -> io::Result<Self> {
         let dir = tempfile::Builder::new().prefix("kube").tempdir()?;
         let root = dir.path();
         let (client, peer, metrics) = (free_port()?, free_port()?, free_port()?);
@@ -81,6 +90,14 @@ impl KubeCluster {
             &kubeconfig,
             kubeconfig_text(&url, "insecure-skip-tls-verify: true", &token),
         )?;
+        let egress_config = match egress {
+            Some(socket) => {
+                let config = root.join("egress-selector.yaml");
+                std::fs::write(&config, crate::egress::selector_config(socket))?;
+                Some(config)
+            }
+            None => None,
+        };
         let mut me = Self {
             dir,
             etcd,
@@ -88,6 +105,7 @@ impl KubeCluster {
             controller_manager: None,
             scheduler: None,
             etcd_url,
+            egress_config,
             port,
             url,
             token,
@@ -108,7 +126,11 @@ impl KubeCluster {
             .create(true)
             .append(true)
             .open(root.join("apiserver.log"))?;
-        let child = Command::new(bin_dir().join("kube-apiserver"))
+        let mut command = Command::new(bin_dir().join("kube-apiserver"));
+        if let Some(config) = &self.egress_config {
+            command.arg("--egress-selector-config-file").arg(config);
+        }
+        let child = command
             .args(["--etcd-servers", &self.etcd_url])
             .args([
                 "--bind-address",
@@ -122,6 +144,9 @@ impl KubeCluster {
             .arg("--token-auth-file")
             .arg(root.join("tokens.csv"))
             .args(["--authorization-mode", "RBAC"])
+            // Privileged pods: the e2e suite's injector and hostexec pods, as on clusters
+            // that run CSI node plugins (the API server refuses them by default).
+            .arg("--allow-privileged=true")
             .args(["--service-cluster-ip-range", "10.0.0.0/24"])
             .args(["--service-account-issuer", "https://kubernetes.default.svc"])
             .arg("--service-account-key-file")

@@ -12,6 +12,7 @@ pub mod controller;
 pub mod csi;
 pub mod daemon;
 mod direct;
+pub mod egress;
 pub mod fake_ustor;
 pub mod kube_cluster;
 pub mod nbd_client;

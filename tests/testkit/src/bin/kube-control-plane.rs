@@ -8,9 +8,14 @@
 //! With `--node`, kube-controller-manager and kube-scheduler run too, for a guest whose kubelet
 //! joins as a real node (volume binding, attach/detach, scheduling).
 //!
-//! Usage: kube-control-plane <dir> <guest-server-url> [--node]
+//! With `--kubelet-at <host:port>` as well, the API server reaches the node's kubelet (exec,
+//! logs, port-forward: what the e2e suite uses) at that loopback forward of the guest's port
+//! 10250, through an egress proxy (`testkit::egress`) on `<dir>/egress.sock`.
+//!
+//! Usage: kube-control-plane <dir> <guest-server-url> [--node [--kubelet-at <host:port>]]
 
 use std::io::{Read, Write};
+use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use testkit::kube_cluster::KubeCluster;
@@ -21,15 +26,34 @@ fn main() -> std::io::Result<()> {
         eprintln!("usage: kube-control-plane <dir> <guest-server-url> [--node]");
         std::process::exit(2);
     };
-    let node = args.next().is_some_and(|a| a == "--node");
+    let rest: Vec<String> = args.map(|a| a.to_string_lossy().into_owned()).collect();
+    let (node, kubelet_at) = match rest.as_slice() {
+        [] => (false, None),
+        [flag] if flag == "--node" => (true, None),
+        [flag, at_flag, at] if flag == "--node" && at_flag == "--kubelet-at" => {
+            let at: SocketAddr = at.parse().unwrap_or_else(|_| {
+                eprintln!("--kubelet-at {at:?} is not host:port");
+                std::process::exit(2);
+            });
+            (true, Some(at))
+        }
+        _ => {
+            eprintln!("usage: kube-control-plane <dir> <guest-server-url> [--node [--kubelet-at <host:port>]]");
+            std::process::exit(2);
+        }
+    };
     let dir = PathBuf::from(dir);
+    std::fs::create_dir_all(&dir)?;
     let guest_server = guest_server.to_string_lossy().into_owned();
-    let mut cluster = KubeCluster::start()?;
+    let egress = dir.join("egress.sock");
+    if let Some(kubelet) = kubelet_at {
+        testkit::egress::spawn(&egress, kubelet)?;
+    }
+    let mut cluster = KubeCluster::start_with_egress(kubelet_at.map(|_| egress.as_path()))?;
     if node {
         cluster.start_controller_manager()?;
         cluster.start_scheduler()?;
     }
-    std::fs::create_dir_all(&dir)?;
     std::fs::copy(&cluster.kubeconfig, dir.join("kubeconfig"))?;
     std::fs::write(
         dir.join("guest-kubeconfig"),
