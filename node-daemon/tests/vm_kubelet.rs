@@ -1265,17 +1265,14 @@ async fn upstream_storage_e2e_suite() {
     // The suite's client ignores a kubeconfig's tls-server-name, so it names the API server by
     // a name its self-made certificate holds, which this guest resolves to the forwarded
     // address.
+    let (ip, port) = API_SERVER.split_once(':').unwrap();
     let hosts = std::fs::read_to_string("/etc/hosts").unwrap_or_default();
     if !hosts.contains(E2E_API_SERVER_NAME) {
-        let ip = API_SERVER.split(':').next().unwrap();
         std::fs::write("/etc/hosts", format!("{hosts}{ip} {E2E_API_SERVER_NAME}\n")).unwrap();
     }
     let kubeconfig = std::fs::read_to_string(KUBECONFIG).unwrap().replace(
         &format!("https://{API_SERVER}"),
-        &format!(
-            "https://{E2E_API_SERVER_NAME}:{}",
-            API_SERVER.split(':').nth(1).unwrap()
-        ),
+        &format!("https://{E2E_API_SERVER_NAME}:{port}"),
     );
     let e2e_kubeconfig = "/vm/kube/e2e-kubeconfig";
     std::fs::write(e2e_kubeconfig, kubeconfig).unwrap();
