@@ -130,6 +130,9 @@ pub trait Tools: Send + Sync + 'static {
     fn thaw(&self, mount_point: &Path) -> Result<(), BlockdevError>;
     /// Whether the device reads its last 4 KiB of `size` (see [`crate::blockdev::serves_size`]).
     fn serves_size(&self, dev: &Path, size: u64) -> Result<bool, UnreadableError>;
+    /// Waits until nothing but this daemon has the device open and udev has no event queued
+    /// (see [`crate::openers::wait_unused`]); the holders left at the deadline otherwise.
+    fn wait_unused(&self, dev: &Path, within: Duration) -> Result<(), Vec<String>>;
 }
 
 /// What [`crate::node::Node`] reaches the host through.
@@ -314,5 +317,9 @@ impl Tools for HostTools {
 
     fn serves_size(&self, dev: &Path, size: u64) -> Result<bool, UnreadableError> {
         crate::blockdev::serves_size(dev, size)
+    }
+
+    fn wait_unused(&self, dev: &Path, within: Duration) -> Result<(), Vec<String>> {
+        crate::openers::wait_unused(dev, within)
     }
 }

@@ -28,6 +28,7 @@ pub mod kernel;
 pub mod locks;
 pub mod metrics;
 pub mod node;
+pub mod openers;
 pub mod preflight;
 pub mod record;
 pub mod recovery;

@@ -233,7 +233,7 @@ fn in_use_now(sysfs: &Sysfs, device: DeviceIndex) -> Result<Option<String>, Node
         .map(|m| format!("mounted at {m}"))
         .collect();
     users.extend(
-        crate::status::open_devices()
+        crate::openers::open_devices()
             .remove(&device.name())
             .unwrap_or_default()
             .into_iter()

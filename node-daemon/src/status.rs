@@ -114,7 +114,7 @@ pub fn collect(
 ) -> Result<Status, NodeError> {
     let loaded = Journal::peek(state_dir)?;
     let table = MountTable::read()?;
-    let holders = open_devices();
+    let holders = crate::openers::open_devices();
     let by_identifier: BTreeMap<&str, &Record> = loaded
         .records
         .iter()
@@ -371,39 +371,6 @@ pub(crate) fn mounts_of(table: &MountTable, sysfs: &Sysfs, index: DeviceIndex) -
             .map(|m| m.mount_point.display().to_string()),
     );
     mounted_at
-}
-
-/// Which processes hold each nbd device open, by device name (`nbd3` → `pid (command)`).
-pub(crate) fn open_devices() -> BTreeMap<String, Vec<String>> {
-    let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    let Ok(procs) = std::fs::read_dir("/proc") else {
-        return out;
-    };
-    for p in procs.flatten() {
-        let Some(pid) = p.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
-            continue;
-        };
-        let Ok(fds) = std::fs::read_dir(p.path().join("fd")) else {
-            continue;
-        };
-        let comm = std::fs::read_to_string(p.path().join("comm")).unwrap_or_default();
-        for fd in fds.flatten() {
-            let Ok(target) = std::fs::read_link(fd.path()) else {
-                continue;
-            };
-            let Some(name) = target.to_str().and_then(|t| t.strip_prefix("/dev/")) else {
-                continue;
-            };
-            if name.starts_with("nbd") && name.parse::<DeviceIndex>().is_ok() {
-                let holder = format!("{pid} ({})", comm.trim());
-                let list = out.entry(name.to_owned()).or_default();
-                if !list.contains(&holder) {
-                    list.push(holder);
-                }
-            }
-        }
-    }
-    out
 }
 
 /// A table for people: devices in use, then idle ones counted, then records without a

@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 
 use testkit::command::{ok, run};
 use testkit::controller::ControllerProcess;
-use testkit::kernel_io_errors;
 use testkit::kube_cluster::Kubectl;
+use testkit::{kernel_io_error_lines, kernel_io_errors};
 
 const KUBECONFIG: &str = "/vm/kube/kubeconfig";
 const NODE: &str = "vm-node";
@@ -68,6 +68,27 @@ fn field(kind: &str, name: &str, path: &str) -> String {
 
 /// What a failure's report needs: the events, the objects, and the last lines of every
 /// component's log (the console shows only the kernel).
+/// Fails when the kernel logged more nbd I/O errors than `before`, naming them with the kernel's
+/// and the node daemon's lines around them.
+fn assert_no_new_io_errors(before: usize) {
+    let lines = kernel_io_error_lines();
+    if lines.len() == before {
+        return;
+    }
+    let kernel = run("sh", &["-c", "dmesg | grep -E 'nbd|block' | tail -n 60"]).1;
+    let daemon = run(
+        "journalctl",
+        &["-u", UNIT, "--no-pager", "-o", "short-precise", "-n", "80"],
+    )
+    .1;
+    panic!(
+        "the kernel logged {} I/O errors:\n{}\n--- the kernel's nbd lines\n{kernel}\n--- {UNIT}\n{daemon}\n{}",
+        lines.len() - before,
+        lines[before.min(lines.len())..].join("\n"),
+        diagnostics()
+    );
+}
+
 fn diagnostics() -> String {
     let mut text = String::new();
     for args in [
@@ -324,7 +345,14 @@ impl Sidecars {
             (
                 "csi-resizer",
                 true,
-                &["--leader-election", "--http-endpoint=127.0.0.1:8082"],
+                &[
+                    "--leader-election",
+                    "--http-endpoint=127.0.0.1:8082",
+                    // This cluster is 1.20, whose API has no allocatedResourceStatuses: with
+                    // the gate on (its default from v1.13) the resizer keeps `Resizing` beside
+                    // `FileSystemResizePending`, where 1.20's clients look for the latter alone.
+                    "--feature-gates=RecoverVolumeExpansionFailure=false",
+                ],
             ),
             (
                 "csi-snapshotter",
@@ -899,11 +927,7 @@ async fn pods_use_our_volumes_through_a_real_kubelet() {
         },
     );
     wait_io_progress(&published, 5, "the pod's writes after the expansion");
-    assert_eq!(
-        kernel_io_errors(),
-        errors_before,
-        "the kernel logged I/O errors"
-    );
+    assert_no_new_io_errors(errors_before);
 
     // A snapshot of the claim while its pod writes, restored into a larger claim: the data
     // is there, and the restored filesystem has the larger claim's room.
@@ -991,11 +1015,7 @@ async fn pods_use_our_volumes_through_a_real_kubelet() {
     }
     delete_pod("block-writer");
     delete_pod("block-reader");
-    assert_eq!(
-        kernel_io_errors(),
-        errors_before,
-        "the kernel logged I/O errors"
-    );
+    assert_no_new_io_errors(errors_before);
 
     // Deleting everything leaves nothing behind: no attachment, no mount, no device, no image.
     kubectl(&[

@@ -470,6 +470,66 @@ async fn systemd_2_after_a_reboot_the_service_is_up_and_the_volume_comes_back() 
         "{out}"
     );
     assert_eq!(st["records_without_device"], serde_json::json!([]), "{out}");
+
+    kubelets_block_teardown_logs_no_io_error(&mut c).await;
     systemctl(&["stop", UNIT]);
     assert_eq!(state(), "inactive");
+}
+
+/// The device node of `VOLUME`, from `status --json`.
+fn device_of_volume() -> String {
+    let (_, out) = run("ustor-csi-node", &["status", "--json"]);
+    let st: serde_json::Value = serde_json::from_str(&out).unwrap();
+    st["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["volume"] == VOLUME)
+        .and_then(|d| d["device"].as_str())
+        .map(|name| format!("/dev/{}", name.trim_start_matches("/dev/")))
+        .unwrap_or_else(|| panic!("no device for {VOLUME}: {out}"))
+}
+
+/// kubelet keeps a loop device over a raw block volume and lets it go just before
+/// NodeUnstage. The loop device had the device open for writing, so its release is a close
+/// after write, which udev's watch answers with a "change" event and a blkid probe of the
+/// device. A DISCONNECT sent while that probe reads fails its reads: the kernel logged I/O
+/// errors at the end of the real-node test. Each round here closes the device after opening
+/// it for writing, as the loop device's release does, and unstages at once.
+async fn kubelets_block_teardown_logs_no_io_error(c: &mut NodeClients) {
+    let block_staging =
+        Path::new("/var/lib/kubelet/plugins/kubernetes.io/csi/volumeDevices/staging/pv-systemd");
+    std::fs::create_dir_all(block_staging).unwrap();
+    let errors_before = kernel_io_errors();
+    for round in 0..6 {
+        let mut stage = stage_request(
+            VOLUME,
+            block_staging,
+            block_capability(Mode::MultiNodeMultiWriter),
+            &export_uri(),
+        );
+        stage.volume_context = with_connections(stage.volume_context);
+        c.node
+            .node_stage_volume(stage)
+            .await
+            .unwrap_or_else(|e| panic!("NodeStage (block), round {round}: {e:?}"));
+        let device = device_of_volume();
+        drop(
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&device)
+                .unwrap(),
+        );
+        c.node
+            .node_unstage_volume(unstage_request(VOLUME, block_staging))
+            .await
+            .unwrap_or_else(|e| panic!("NodeUnstage (block), round {round}: {e:?}"));
+        let (_, kernel) = run("sh", &["-c", "dmesg | grep nbd | tail -n 20"]);
+        assert_eq!(
+            kernel_io_errors(),
+            errors_before,
+            "round {round}: the kernel logged I/O errors at NodeUnstage of {device}:\n{kernel}"
+        );
+    }
 }

@@ -37,6 +37,8 @@ pub struct FakeHost {
     holds: Mutex<Probe>,
     /// The size the export reports when dialed.
     export_size: Mutex<u64>,
+    /// Other processes that have every device open (`pid (command)`).
+    openers: Mutex<Vec<String>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -60,6 +62,7 @@ impl FakeHost {
             table: Mutex::default(),
             holds: Mutex::new(Probe::Blank),
             export_size: Mutex::new(0),
+            openers: Mutex::default(),
         })
     }
 
@@ -102,6 +105,11 @@ impl FakeHost {
 
     pub fn set_holds(&self, probe: Probe) {
         *lock(&self.holds) = probe;
+    }
+
+    /// Another process has every device open (or, with `None`, nobody has).
+    pub fn set_opener(&self, holder: Option<&str>) {
+        *lock(&self.openers) = holder.map(str::to_owned).into_iter().collect();
     }
 
     pub fn set_export_size(&self, bytes: u64) {
@@ -297,6 +305,15 @@ impl Tools for FakeHost {
 
     fn serves_size(&self, _dev: &Path, _size: u64) -> Result<bool, UnreadableError> {
         Ok(true)
+    }
+
+    fn wait_unused(&self, _dev: &Path, _within: Duration) -> Result<(), Vec<String>> {
+        let openers = lock(&self.openers).clone();
+        if openers.is_empty() {
+            Ok(())
+        } else {
+            Err(openers)
+        }
     }
 }
 

@@ -101,9 +101,9 @@ fn code(rpc: Rpc, e: &NodeError) -> Code {
         N::Request(_) => Code::InvalidArgument,
         N::Stage(e) => stage_code(rpc, e),
         N::Unstage(e) => match e {
-            UnstageError::StillPublished { .. } | UnstageError::ForeignUsers { .. } => {
-                Code::FailedPrecondition
-            }
+            UnstageError::StillPublished { .. }
+            | UnstageError::ForeignUsers { .. }
+            | UnstageError::OpenElsewhere { .. } => Code::FailedPrecondition,
         },
         N::Publish(e) => match e {
             // Spec, NodePublishVolume: "Volume published but is incompatible" (the same target
@@ -640,6 +640,17 @@ mod tests {
                     device: nbd::DeviceIndex(0),
                     volume: v(),
                     mounts: "/m".into(),
+                }
+                .into(),
+                Code::FailedPrecondition,
+                KeepState,
+            ),
+            (
+                NodeUnstage,
+                UnstageError::OpenElsewhere {
+                    device: nbd::DeviceIndex(0),
+                    volume: v(),
+                    holders: "812 (dd)".into(),
                 }
                 .into(),
                 Code::FailedPrecondition,

@@ -141,7 +141,22 @@ pub enum UnstageError {
         volume: String,
         mounts: String,
     },
+    /// A process other than the daemon kept the device open past [`OTHERS_CLOSE_WITHIN`]:
+    /// a DISCONNECT would fail its I/O.
+    #[error(
+        "{device} of volume {volume} is open by {holders}: refusing to detach it under them; \
+         NodeUnstage finishes once they close it"
+    )]
+    OpenElsewhere {
+        device: DeviceIndex,
+        volume: String,
+        holders: String,
+    },
 }
+
+/// How long NodeUnstage waits for other processes to close the device (udev's probe after
+/// kubelet lets go of its loop device takes well under a second).
+pub const OTHERS_CLOSE_WITHIN: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Steps staging may take in one call; more means the state keeps changing under us.
 const MAX_STEPS: usize = 12;
@@ -820,12 +835,32 @@ impl Node {
                 let tools = Arc::clone(&self.tools);
                 off_runtime("flush", move || Ok(tools.flush(&dev)?)).await?;
             }
+            self.wait_unused(&record, &device).await?;
             crate::failpoints::pause("unstage-before-disconnect").await;
             self.disconnect(&record.volume_id, &device).await?;
             tracing::info!(volume = %record.volume_id, device = %device.index(), "detached");
         }
         fail::fail_point!("unstage-after-disconnect");
         self.forget(&record.volume_id)
+    }
+
+    /// DISCONNECT fails every request in flight, whoever sent it: wait until nothing but this
+    /// daemon has the device open and udev's probes are done (see `openers.rs`).
+    async fn wait_unused(&self, record: &Record, device: &ProvenDevice) -> Result<(), NodeError> {
+        let dev = self.kernel.dev_path(device.index());
+        let tools = Arc::clone(&self.tools);
+        let waited = off_runtime("wait for other users to close", move || {
+            Ok(tools.wait_unused(&dev, OTHERS_CLOSE_WITHIN))
+        })
+        .await?;
+        waited.map_err(|holders| {
+            UnstageError::OpenElsewhere {
+                device: device.index(),
+                volume: record.volume_id.to_string(),
+                holders: holders.join(", "),
+            }
+            .into()
+        })
     }
 
     /// Unstage must not pull the device from under a mount it did not make (a bind mount
@@ -1055,5 +1090,33 @@ mod tests {
         (Unstaging, Moved, UNMOUNTED, "ok", "disconnect /dev/nbd3, dial, attach /dev/nbd0, probe, mount nbd0 /staging, grow", "Staged /dev/nbd0"),
         ];
         check_table(TABLE, stage_in).await;
+    }
+
+    /// NodeUnstage of a volume whose device another process still has open is refused with
+    /// FAILED_PRECONDITION naming that process, before any DISCONNECT, and the volume is
+    /// kept; once the other process has closed it, kubelet's retry detaches.
+    #[tokio::test]
+    async fn unstage_waits_for_other_openers() {
+        let cell = Cell::new(Staged, Proven, MOUNTED);
+        cell.node.set_ready();
+        let volume = cell.record.volume_id.clone();
+        let staging = cell.record.staging_path.clone().unwrap();
+        cell.host.set_opener(Some("812 (blkid)"));
+
+        let err = cell.node.unstage(&volume, &staging).await.unwrap_err();
+        assert_eq!(
+            answer(Rpc::NodeUnstage, &err).code,
+            tonic::Code::FailedPrecondition
+        );
+        assert!(err.to_string().contains("812 (blkid)"), "{err}");
+        let calls = cell.host.take_calls().join(", ");
+        assert!(!calls.contains("disconnect"), "{calls}");
+        assert!(cell.node.record(volume.as_str()).is_some());
+
+        cell.host.set_opener(None);
+        cell.node.unstage(&volume, &staging).await.unwrap();
+        let calls = cell.host.take_calls().join(", ");
+        assert!(calls.contains("disconnect /dev/nbd1"), "{calls}");
+        assert!(cell.node.record(volume.as_str()).is_none());
     }
 }

@@ -108,8 +108,14 @@ pub async fn scrape(addr: std::net::SocketAddr) -> String {
     text
 }
 
-/// Lines of the kernel log that report a failed I/O on an nbd device.
+/// How many lines of the kernel log report a failed I/O on an nbd device.
 pub fn kernel_io_errors() -> usize {
+    kernel_io_error_lines().len()
+}
+
+/// The lines of the kernel log that report a failed I/O on an nbd device, to name what
+/// failed when a test finds more of them than before.
+pub fn kernel_io_error_lines() -> Vec<String> {
     let out = std::process::Command::new("dmesg")
         .output()
         .map(|o| o.stdout)
@@ -117,5 +123,6 @@ pub fn kernel_io_errors() -> usize {
     String::from_utf8_lossy(&out)
         .lines()
         .filter(|l| l.contains("nbd") && l.contains("I/O error"))
-        .count()
+        .map(str::to_owned)
+        .collect()
 }

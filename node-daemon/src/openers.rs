@@ -1,0 +1,159 @@
+//! Who else has a device open, and whether udev is still at work on one.
+//!
+//! DISCONNECT fails every request in flight, whoever sent it, so the daemon lets a device go
+//! only once nothing else reads it. The usual reader is udev: kubelet keeps a loop device
+//! over a raw block volume and releases it just before NodeUnstage. That release closes the
+//! device after writing, udev's watch answers with a "change" event, and the event's blkid
+//! probe was still reading the device when the DISCONNECT went out: the kernel logged I/O
+//! errors on the real node.
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use nbd::DeviceIndex;
+
+/// Exists while udev's event queue is not empty (what `udevadm settle` waits for).
+const UDEV_QUEUE: &str = "/run/udev/queue";
+
+/// How often a wait below looks again.
+const POLL: Duration = Duration::from_millis(20);
+
+/// Calls `f(pid, command, fd link)` for every open file descriptor of every process.
+fn each_open_file(mut f: impl FnMut(u32, &str, &Path)) {
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return;
+    };
+    for p in procs.flatten() {
+        let Some(pid) = p.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(fds) = std::fs::read_dir(p.path().join("fd")) else {
+            continue;
+        };
+        let comm = std::fs::read_to_string(p.path().join("comm")).unwrap_or_default();
+        for fd in fds.flatten() {
+            f(pid, comm.trim(), &fd.path());
+        }
+    }
+}
+
+/// Holders of each nbd device by its name (`nbd3` → `["812 (qemu-img)"]`), for `status`:
+/// the processes that opened it through its node in `/dev`.
+pub(crate) fn open_devices() -> BTreeMap<String, Vec<String>> {
+    let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    each_open_file(|pid, comm, fd| {
+        let Ok(target) = std::fs::read_link(fd) else {
+            return;
+        };
+        let Some(name) = target.to_str().and_then(|t| t.strip_prefix("/dev/")) else {
+            return;
+        };
+        if name.starts_with("nbd") && name.parse::<DeviceIndex>().is_ok() {
+            let holder = format!("{pid} ({comm})");
+            let list = out.entry(name.to_owned()).or_default();
+            if !list.contains(&holder) {
+                list.push(holder);
+            }
+        }
+    });
+    out
+}
+
+/// `pid (command)` of each process but this one with a file open that `is_it` accepts
+/// (given what the descriptor has open, wherever that was named: `/dev`, a container's own
+/// device node, a bind mount).
+fn holders(is_it: impl Fn(&std::fs::Metadata) -> bool) -> Vec<String> {
+    let own = std::process::id();
+    let mut out: Vec<String> = Vec::new();
+    each_open_file(|pid, comm, fd| {
+        if pid == own {
+            return;
+        }
+        let Ok(meta) = std::fs::metadata(fd) else {
+            return;
+        };
+        if is_it(&meta) {
+            let holder = format!("{pid} ({comm})");
+            if !out.contains(&holder) {
+                out.push(holder);
+            }
+        }
+    });
+    out
+}
+
+/// Waits, for at most `within`, until udev has no event queued and no process but this one
+/// has the block device `device` open. `Err` names the holders left at the deadline. A queue
+/// busy past the deadline (other devices' events) is not waited out: only holders of this
+/// device stop it.
+pub(crate) fn wait_unused(device: &Path, within: Duration) -> Result<(), Vec<String>> {
+    let until = Instant::now() + within;
+    while Path::new(UDEV_QUEUE).exists() && Instant::now() < until {
+        std::thread::sleep(POLL);
+    }
+    // No device node: nothing can have it open through /dev, and the kernel has let it go.
+    let Ok(rdev) = std::fs::metadata(device).map(|m| m.rdev()) else {
+        return Ok(());
+    };
+    loop {
+        let left = holders(|m| m.file_type().is_block_device() && m.rdev() == rdev);
+        if left.is_empty() {
+            return Ok(());
+        }
+        if Instant::now() >= until {
+            return Err(left);
+        }
+        std::thread::sleep(POLL);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::process::{Command, Stdio};
+
+    /// Another process with the file open is named; this process, which has it open too,
+    /// is not; once the other has exited, nobody is.
+    #[test]
+    fn names_the_other_processes_that_hold_a_file() {
+        let dir = std::env::temp_dir().join(format!("openers-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("held");
+        std::fs::write(&path, b"x").unwrap();
+        let ours = std::fs::File::open(&path).unwrap();
+        let meta = ours.metadata().unwrap();
+        let is_it = |m: &std::fs::Metadata| m.dev() == meta.dev() && m.ino() == meta.ino();
+
+        let mut child = Command::new("sleep")
+            .arg("30")
+            .stdin(Stdio::from(std::fs::File::open(&path).unwrap()))
+            .spawn()
+            .unwrap();
+        // Until the child has exec'd, it shows the test's own command.
+        let want = vec![format!("{} (sleep)", child.id())];
+        let until = Instant::now() + Duration::from_secs(10);
+        let mut found = holders(is_it);
+        while found != want && Instant::now() < until {
+            std::thread::sleep(POLL);
+            found = holders(is_it);
+        }
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let after = holders(is_it);
+        std::fs::remove_dir_all(&dir).unwrap();
+
+        assert_eq!(found, want);
+        assert_eq!(after, Vec::<String>::new());
+    }
+
+    /// A path that is no device node (it does not exist): nothing to wait for.
+    #[test]
+    fn a_missing_device_node_is_unused() {
+        assert_eq!(
+            wait_unused(Path::new("/dev/nbd-none-such"), Duration::ZERO),
+            Ok(())
+        );
+    }
+}
