@@ -28,7 +28,8 @@ pub enum RequestError {
     RequiredOverLimit { required: u64, limit: u64 },
     /// A clone or restore is at least its source's size; a volume never shrinks.
     #[error(
-        "the volume cannot be smaller than {minimum} bytes (its source's or its current size), but limit_bytes is {limit}"
+        "the volume cannot be smaller than {minimum} bytes (its source's or its current size, or \
+         the 300 MiB mkfs.xfs needs), but limit_bytes is {limit}"
     )]
     MinimumOverLimit { minimum: u64, limit: u64 },
     #[error(
@@ -185,6 +186,23 @@ pub fn check_capability(cap: &VolumeCapability) -> Result<Mode, RequestError> {
     Ok(mode)
 }
 
+/// The smallest filesystem mkfs.xfs makes (xfsprogs 5.19 and later; Debian 12 ships 6.1,
+/// Ubuntu 24.04 6.6): it refuses a smaller device ("Filesystem must be larger than 300MB").
+pub const XFS_MIN_BYTES: u64 = 300 << 20;
+
+/// The least size a volume with these capabilities needs for the node to format it: an xfs
+/// volume below [`XFS_MIN_BYTES`] could be created but never staged.
+pub fn filesystem_minimum(caps: &[VolumeCapability]) -> u64 {
+    let xfs = caps.iter().any(
+        |cap| matches!(capability::check(cap), Ok((_, Shape::Mount(m))) if m.fs_type == "xfs"),
+    );
+    if xfs {
+        XFS_MIN_BYTES
+    } else {
+        0
+    }
+}
+
 /// Every capability of a request that needs at least one.
 pub fn check_capabilities(caps: &[VolumeCapability]) -> Result<(), RequestError> {
     require(!caps.is_empty(), "volume_capabilities")?;
@@ -282,6 +300,51 @@ mod tests {
         ));
         assert!(fits(MIB, range(MIB as i64, 0).as_ref()));
         assert!(!fits(MIB, range(2 * MIB as i64, 0).as_ref()));
+    }
+
+    /// xfs volumes are at least what mkfs.xfs formats; ext4, the default and block have no
+    /// floor of their own.
+    #[test]
+    fn xfs_volumes_have_mkfs_xfs_floor() {
+        use csi_proto::csi::volume_capability::{AccessMode, AccessType, BlockVolume, MountVolume};
+        let cap = |access: AccessType| VolumeCapability {
+            access_type: Some(access),
+            access_mode: Some(AccessMode {
+                mode: Mode::SingleNodeWriter.into(),
+            }),
+        };
+        let mount = |fs: &str| {
+            cap(AccessType::Mount(MountVolume {
+                fs_type: fs.into(),
+                ..Default::default()
+            }))
+        };
+        assert_eq!(filesystem_minimum(&[mount("xfs")]), XFS_MIN_BYTES);
+        assert_eq!(filesystem_minimum(&[mount("ext4")]), 0);
+        assert_eq!(filesystem_minimum(&[mount("")]), 0);
+        let block = VolumeCapability {
+            access_mode: Some(AccessMode {
+                mode: Mode::SingleNodeSingleWriter.into(),
+            }),
+            ..cap(AccessType::Block(BlockVolume {}))
+        };
+        assert_eq!(filesystem_minimum(&[block]), 0);
+        // A 64 MiB claim of xfs gets 300 MiB; with a limit below that, a clear refusal.
+        assert_eq!(
+            size_for(range(64 * MIB as i64, 0).as_ref(), XFS_MIN_BYTES, MIB),
+            Ok(XFS_MIN_BYTES)
+        );
+        assert_eq!(
+            size_for(
+                range(64 * MIB as i64, 128 * MIB as i64).as_ref(),
+                XFS_MIN_BYTES,
+                MIB
+            ),
+            Err(RequestError::MinimumOverLimit {
+                minimum: XFS_MIN_BYTES,
+                limit: 128 * MIB
+            })
+        );
     }
 
     #[test]

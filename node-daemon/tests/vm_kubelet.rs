@@ -66,8 +66,6 @@ fn field(kind: &str, name: &str, path: &str) -> String {
         .unwrap_or_default()
 }
 
-/// What a failure's report needs: the events, the objects, and the last lines of every
-/// component's log (the console shows only the kernel).
 /// Fails when the kernel logged more nbd I/O errors than `before`, naming them with the kernel's
 /// and the node daemon's lines around them.
 fn assert_no_new_io_errors(before: usize) {
@@ -89,6 +87,8 @@ fn assert_no_new_io_errors(before: usize) {
     );
 }
 
+/// What a failure's report needs: the events, the objects, and the last lines of every
+/// component's log (the console shows only the kernel).
 fn diagnostics() -> String {
     let mut text = String::new();
     for args in [
@@ -1282,6 +1282,21 @@ async fn upstream_storage_e2e_suite() {
         Duration::from_secs(120),
         || (field("volumesnapshotclass", SNAPSHOT_CLASS, ".driver") == DRIVER).then_some(()),
     );
+    // A cluster's default StorageClass: 1.20's parallel-clone spec reads the default class's
+    // binding mode to decide whether a pod must come first ("No default storage class found"
+    // without one), though its claims name the suite's own class.
+    kube()
+        .ok(
+            &[
+                "annotate",
+                "storageclass",
+                CLASS,
+                "storageclass.kubernetes.io/is-default-class=true",
+                "--overwrite",
+            ],
+            None,
+        )
+        .unwrap();
     // The suite's client ignores a kubeconfig's tls-server-name, so it names the API server by
     // a name its self-made certificate holds, which this guest resolves to the forwarded
     // address.

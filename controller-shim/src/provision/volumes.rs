@@ -73,6 +73,7 @@ impl Provisioner {
                 (Some(Source::Volume(h.image)), src.size)
             }
         };
+        let minimum = minimum.max(request::filesystem_minimum(&r.volume_capabilities));
         let size = request::size_for(
             r.capacity_range.as_ref(),
             minimum,
