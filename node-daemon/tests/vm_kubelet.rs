@@ -80,8 +80,8 @@ fn assert_no_new_io_errors(before: usize) {
     )
     .1;
     panic!(
-        "the kernel logged {} I/O errors:\n{}\n--- the kernel's nbd lines\n{kernel}\n--- {UNIT}\n{daemon}\n{}",
-        lines.len() - before,
+        "the kernel logged {} nbd I/O error lines, {before} before:\n{}\n--- the kernel's nbd lines\n{kernel}\n--- {UNIT}\n{daemon}\n{}",
+        lines.len(),
         lines[before.min(lines.len())..].join("\n"),
         diagnostics()
     );

@@ -16,7 +16,7 @@ use csi_proto::csi::{ProbeRequest, VolumeCapability};
 use testkit::command::{ok, run};
 use testkit::csi::*;
 use testkit::wait::eventually_blocking;
-use testkit::{kernel_io_errors, pattern};
+use testkit::{kernel_io_error_lines, kernel_io_errors, pattern};
 
 const UNIT: &str = "ustor-csi-node.service";
 const SOCKET: &str = "/var/lib/kubelet/plugins/ustor-nbd.csi.mindsw.io/csi.sock";
@@ -525,11 +525,12 @@ async fn kubelets_block_teardown_logs_no_io_error(c: &mut NodeClients) {
             .node_unstage_volume(unstage_request(VOLUME, block_staging))
             .await
             .unwrap_or_else(|e| panic!("NodeUnstage (block), round {round}: {e:?}"));
-        let (_, kernel) = run("sh", &["-c", "dmesg | grep nbd | tail -n 20"]);
+        let errors = kernel_io_error_lines();
         assert_eq!(
-            kernel_io_errors(),
+            errors.len(),
             errors_before,
-            "round {round}: the kernel logged I/O errors at NodeUnstage of {device}:\n{kernel}"
+            "round {round}: the kernel logged I/O errors at NodeUnstage of {device}:\n{}",
+            errors.join("\n")
         );
     }
 }

@@ -37,8 +37,8 @@ pub struct FakeHost {
     holds: Mutex<Probe>,
     /// The size the export reports when dialed.
     export_size: Mutex<u64>,
-    /// Other processes that have every device open (`pid (command)`).
-    openers: Mutex<Vec<String>>,
+    /// Another process that has every device open (`pid (command)`).
+    opener: Mutex<Option<String>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -62,7 +62,7 @@ impl FakeHost {
             table: Mutex::default(),
             holds: Mutex::new(Probe::Blank),
             export_size: Mutex::new(0),
-            openers: Mutex::default(),
+            opener: Mutex::default(),
         })
     }
 
@@ -109,7 +109,7 @@ impl FakeHost {
 
     /// Another process has every device open (or, with `None`, nobody has).
     pub fn set_opener(&self, holder: Option<&str>) {
-        *lock(&self.openers) = holder.map(str::to_owned).into_iter().collect();
+        *lock(&self.opener) = holder.map(str::to_owned);
     }
 
     pub fn set_export_size(&self, bytes: u64) {
@@ -308,11 +308,9 @@ impl Tools for FakeHost {
     }
 
     fn wait_unused(&self, _dev: &Path, _within: Duration) -> Result<(), Vec<String>> {
-        let openers = lock(&self.openers).clone();
-        if openers.is_empty() {
-            Ok(())
-        } else {
-            Err(openers)
+        match lock(&self.opener).clone() {
+            None => Ok(()),
+            Some(holder) => Err(vec![holder]),
         }
     }
 }
