@@ -40,19 +40,43 @@ fn each_open_file(mut f: impl FnMut(u32, &str, &Path)) {
 }
 
 /// Holders of each nbd device by its name (`nbd3` → `["812 (qemu-img)"]`), for `status`:
-/// the processes that opened it through its node in `/dev`.
+/// every process with a descriptor on the device, whatever node it was opened through (`/dev`,
+/// a container's own device node, a bind mount), matched by device number.
 pub(crate) fn open_devices() -> BTreeMap<String, Vec<String>> {
+    let mut numbers = std::collections::HashMap::new();
+    if let Ok(dev) = std::fs::read_dir("/dev") {
+        for entry in dev.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if !name.starts_with("nbd") || name.parse::<DeviceIndex>().is_err() {
+                continue;
+            }
+            if let Ok(meta) = std::fs::metadata(entry.path()) {
+                if meta.file_type().is_block_device() {
+                    numbers.insert(meta.rdev(), name);
+                }
+            }
+        }
+    }
+    opened_by_number(&numbers, |t| t.is_block_device())
+}
+
+/// Holders of the devices of `numbers` (device number → name) of the file type `kind`
+/// accepts, by name.
+fn opened_by_number(
+    numbers: &std::collections::HashMap<u64, String>,
+    kind: impl Fn(&std::fs::FileType) -> bool,
+) -> BTreeMap<String, Vec<String>> {
     let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
     each_open_file(|pid, comm, fd| {
-        let Ok(target) = std::fs::read_link(fd) else {
+        let Ok(meta) = std::fs::metadata(fd) else {
             return;
         };
-        let Some(name) = target.to_str().and_then(|t| t.strip_prefix("/dev/")) else {
+        if !kind(&meta.file_type()) {
             return;
-        };
-        if name.starts_with("nbd") && name.parse::<DeviceIndex>().is_ok() {
+        }
+        if let Some(name) = numbers.get(&meta.rdev()) {
             let holder = format!("{pid} ({comm})");
-            let list = out.entry(name.to_owned()).or_default();
+            let list = out.entry(name.clone()).or_default();
             if !list.contains(&holder) {
                 list.push(holder);
             }
@@ -113,6 +137,29 @@ pub(crate) fn wait_unused(device: &Path, within: Duration) -> Result<(), Vec<Str
 mod tests {
     use super::*;
     use std::process::{Command, Stdio};
+
+    /// A device held through any node is named by its number: a child holding /dev/null as
+    /// its stdin is listed under the name given for /dev/null's number.
+    #[test]
+    fn devices_are_matched_by_number_not_by_path() {
+        let null = std::fs::metadata("/dev/null").unwrap();
+        let numbers = std::collections::HashMap::from([(null.rdev(), "the-null".to_owned())]);
+        let mut child = Command::new("sleep")
+            .arg("30")
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap();
+        let found = opened_by_number(&numbers, |t| t.is_char_device());
+        let _ = child.kill();
+        let _ = child.wait();
+        let holders = found.get("the-null").cloned().unwrap_or_default();
+        assert!(
+            holders.contains(&format!("{} (sleep)", child.id())),
+            "holders of /dev/null: {holders:?}"
+        );
+        let none = opened_by_number(&numbers, |t| t.is_block_device());
+        assert!(none.is_empty(), "a char device counted as a block device: {none:?}");
+    }
 
     /// Another process with the file open is named; this process, which has it open too,
     /// is not; once the other has exited, nobody is.

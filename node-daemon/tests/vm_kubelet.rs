@@ -1,10 +1,11 @@
 //! A real Kubernetes node: kubelet 1.20 and containerd in a Debian root booted with systemd,
 //! joined to the control plane `tests/vm/run` starts on the host (API server, controller
 //! manager, scheduler). Our node service is installed from its `.deb` and registers itself
-//! with kubelet's plugin watcher; the controller (local backend) and the sidecars `deploy/`
-//! ships (provisioner, attacher, resizer) run beside it as host processes with the
-//! Deployment's flags. Pods, scheduled and started by kubelet, use claims of a StorageClass of
-//! ours. Ignored on the host; `tests/vm/run` boots that root on each kernel line.
+//! with kubelet's plugin watcher. In most scenarios the controller (local backend) and the
+//! sidecars `deploy/` ships (provisioner, attacher, resizer) run beside it as host processes
+//! with the Deployment's flags; one installs `deploy/base` itself, the controller's Deployment
+//! from its image, over uStor. Pods, scheduled and started by kubelet, use claims of a
+//! StorageClass of ours. Ignored on the host; `tests/vm/run` boots that root on each kernel line.
 //!
 //! What only a real kubelet exercises: the plugin registration, the staging and publish paths
 //! it chooses, fsGroup, its restart with pods running (reconstruction), and a pod's own I/O.
@@ -97,6 +98,22 @@ fn diagnostics() -> String {
             "nodes,csinodes,pv,pvc,pods,volumeattachments",
             "-o",
             "wide",
+        ][..],
+        // The controller's Deployment and uStor's resources, when a test installed them.
+        &["get", "pods,events", "-n", "d8-csi-mind-ustor", "-o", "wide"][..],
+        &[
+            "get",
+            "mindustorstorageconnections,mindustorstorageclasses",
+            "-o",
+            "yaml",
+        ][..],
+        &[
+            "logs",
+            "-n",
+            "d8-csi-mind-ustor",
+            "deployment/csi-controller",
+            "--all-containers",
+            "--tail=40",
         ][..],
         // Apart: before the snapshot CRDs are installed this one fails.
         &["get", "volumesnapshots,volumesnapshotcontents", "-o", "wide"][..],
@@ -1048,6 +1065,295 @@ async fn pods_use_our_volumes_through_a_real_kubelet() {
     remove_webhook();
     eprintln!(
         "the real node's scenarios took {:.0} s",
+        started.elapsed().as_secs_f64()
+    );
+}
+
+// --- the controller's Deployment from its image, over uStor ---------------------------------
+
+/// The namespace of `deploy/base`.
+const DRIVER_NAMESPACE: &str = "d8-csi-mind-ustor";
+/// `deploy/base` as `tests/kube/node-overlay` adapts it to this cluster, rendered by the harness.
+const CONTROLLER_DEPLOYMENT: &str = "/vm/kube/controller-deployment.yaml";
+/// The uid `packaging/image` runs the controller as.
+const CONTROLLER_UID: &str = "65532";
+/// Where the node daemon keeps the TLS material NodeStage's secrets brought (`stage_tls`).
+const STAGE_TLS: &str = "/var/lib/ustor-csi/stage-tls";
+
+/// A Secret of the driver's namespace from files (`key=path`), as an operator makes it.
+fn secret_from_files(name: &str, files: &[(&str, PathBuf)]) {
+    let mut args = vec![
+        "create".to_owned(),
+        "secret".into(),
+        "generic".into(),
+        name.into(),
+        "-n".into(),
+        DRIVER_NAMESPACE.into(),
+    ];
+    args.extend(
+        files
+            .iter()
+            .map(|(key, path)| format!("--from-file={key}={}", path.display())),
+    );
+    kubectl(&args.iter().map(String::as_str).collect::<Vec<_>>());
+}
+
+/// The uid lines (real, effective, saved, filesystem) of the controller's process on this
+/// node, once its container runs.
+fn controller_uids() -> Option<String> {
+    let (code, pids) = run("pgrep", &["-f", "ustor-csi-controller serve"]);
+    let pid = pids.lines().next().filter(|_| code == 0)?.trim().to_owned();
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .map(|uids| uids.split_whitespace().collect::<Vec<_>>().join(" "))
+}
+
+/// The files of `dir`, sorted (none when it does not exist).
+fn names_in(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+/// The installation an operator makes, on the real node: `deploy/base` (through
+/// `tests/kube/node-overlay`) with the controller's image from `packaging/image` and the
+/// sidecars' images, a MindUstorStorageConnection to the in-repo uStor server and a
+/// MindUstorStorageClass. uStor's images are files that nbdkit serves over TLS with client
+/// certificates required, and the node has no TLS file of its own: kubelet brings the
+/// connection's TLS Secret to NodeStage, as the generated StorageClass names it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "vm: needs the booted real-node root of tests/vm/run"]
+async fn the_controller_deployment_from_its_image_serves_a_tls_claim() {
+    let started = Instant::now();
+    node_up();
+    // The name the API server's certificate holds, at the address QEMU forwards: what the
+    // pod's in-cluster client dials (the overlay sets it).
+    let hosts = std::fs::read_to_string("/etc/hosts").unwrap_or_default();
+    if !hosts.contains("kubernetes.default.svc") {
+        let host = API_SERVER.split(':').next().unwrap();
+        std::fs::write(
+            "/etc/hosts",
+            format!("{hosts}{host} kubernetes.default.svc\n"),
+        )
+        .unwrap();
+    }
+
+    // uStor: its API on this node's loopback, its images in `data`, served by nbdkit over TLS.
+    let pki = testkit::tls::TestPki::new("ustor data path").unwrap();
+    let data = tempfile::tempdir().unwrap();
+    let mut server_args = pki.nbdkit_args().to_vec();
+    server_args.extend(["file".to_owned(), format!("dir={}", data.path().display())]);
+    let args: Vec<&str> = server_args.iter().map(String::as_str).collect();
+    let nbd = testkit::NbdServer::nbdkit(testkit::Listen::Tcp, &args).unwrap();
+    let ustor = testkit::fake_ustor::FakeUstor::start().await.unwrap();
+    ustor.set_user("csi", "Pa55word!forCsi", None);
+    ustor.serve_nbd_over_tls(true);
+    ustor.serve_data_from(
+        data.path(),
+        std::net::SocketAddr::from(([127, 0, 0, 1], nbd.tcp_port().unwrap())),
+    );
+
+    // The driver, as the README installs it.
+    let deployment = std::fs::read_to_string(CONTROLLER_DEPLOYMENT).unwrap();
+    apply(&deployment);
+    configure_webhook();
+    kubectl(&[
+        "rollout",
+        "status",
+        "-n",
+        DRIVER_NAMESPACE,
+        "deployment/csi-controller",
+        "--timeout=600s",
+    ]);
+    let uids = wait_for(
+        "the controller's process",
+        Duration::from_secs(60),
+        controller_uids,
+    );
+    assert_eq!(
+        uids,
+        [CONTROLLER_UID; 4].join(" "),
+        "the controller's uids (real, effective, saved, fs)"
+    );
+    let password = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(password.path(), "Pa55word!forCsi").unwrap();
+    let username = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(username.path(), "csi").unwrap();
+    secret_from_files(
+        "ustor-creds",
+        &[
+            ("username", username.path().to_owned()),
+            ("password", password.path().to_owned()),
+        ],
+    );
+    secret_from_files(
+        "ustor-tls",
+        &[
+            ("ca.crt", pki.file("ca-cert.pem")),
+            ("client.crt", pki.file("client-cert.pem")),
+            ("client.key", pki.file("client-key.pem")),
+            ("etcd-client.crt", pki.file("client-cert.pem")),
+            ("etcd-client.key", pki.file("client-key.pem")),
+        ],
+    );
+    apply(&format!(
+        "apiVersion: storage.deckhouse.io/v1alpha1\nkind: MindUstorStorageConnection\n\
+         metadata:\n  name: ustor-main\nspec:\n  controlPlane:\n    address: {}\n\
+         \x20   credentialsSecretName: ustor-creds\n  dataPlane:\n\
+         \x20   etcdAddresses: [\"https://127.0.0.1:23000\"]\n    osdNetwork: 127.0.0.0/8\n\
+         \x20   tlsSecretName: ustor-tls\n---\n\
+         apiVersion: storage.deckhouse.io/v1alpha1\nkind: MindUstorStorageClass\n\
+         metadata:\n  name: ustor-tls\nspec:\n  connectionName: ustor-main\n  pool: data\n\
+         \x20 fsType: ext4\n  reclaimPolicy: Delete\n  volumeBindingMode: WaitForFirstConsumer\n",
+        ustor.url()
+    ));
+    wait_for(
+        "the connection logged in to uStor",
+        Duration::from_secs(180),
+        || {
+            let phase = field("mindustorstorageconnection", "ustor-main", ".status.phase");
+            assert_ne!(
+                phase,
+                "Failed",
+                "the connection failed: {}",
+                field("mindustorstorageconnection", "ustor-main", ".status.reason")
+            );
+            (phase == "Created").then_some(())
+        },
+    );
+    wait_for(
+        "the StorageClass the MindUstorStorageClass makes",
+        Duration::from_secs(180),
+        || (field("storageclass", "ustor-tls", ".provisioner") == DRIVER).then_some(()),
+    );
+    assert_eq!(
+        field(
+            "storageclass",
+            "ustor-tls",
+            ".parameters.csi\\.storage\\.k8s\\.io/node-stage-secret-name"
+        ),
+        "ustor-tls",
+        "the generated StorageClass names the connection's TLS Secret for NodeStage"
+    );
+    let node_config = std::fs::read_to_string("/etc/ustor-csi/node.toml").unwrap_or_default();
+    assert!(
+        !node_config
+            .lines()
+            .any(|l| !l.trim_start().starts_with('#') && l.contains("ca-file")),
+        "the node has TLS files of its own configured:\n{node_config}"
+    );
+
+    // A claim of that class, bound when its pod is scheduled, written through TLS.
+    apply(&claim_yaml("claim-ustor", "64Mi").replace(
+        &format!("storageClassName: {CLASS}"),
+        "storageClassName: ustor-tls",
+    ));
+    apply(&pod_yaml("ustor-writer", "claim-ustor", WRITER));
+    wait_phase("ustor-writer", "Running", Duration::from_secs(300));
+    let published = published_path("ustor-writer", "claim-ustor");
+    wait_for("the pod's first data", Duration::from_secs(120), || {
+        published.join("written").exists().then_some(())
+    });
+    let errors_before = kernel_io_errors();
+    wait_io_progress(&published, 5, "the pod's writes over TLS");
+    // uStor made the image and the attacher's grant: its file and the grant's export name.
+    let images = ustor.images();
+    assert_eq!(images.len(), 1, "uStor's images: {images:?}");
+    let export = images[0].split_once('/').unwrap().1.to_owned();
+    let files = names_in(data.path());
+    assert_eq!(files.len(), 2, "the image and its one grant: {files:?}");
+    assert!(
+        files.iter().any(|f| f == &export)
+            && files.iter().any(|f| f.starts_with(&format!("{export}@"))),
+        "the image {export} and its grant: {files:?}"
+    );
+    // The TLS material kubelet brought is kept for healing, readable by root alone.
+    let staged = names_in(Path::new(STAGE_TLS));
+    assert_eq!(staged.len(), 1, "stage TLS directories: {staged:?}");
+    for file in names_in(&Path::new(STAGE_TLS).join(&staged[0])) {
+        use std::os::unix::fs::PermissionsExt;
+        let path = Path::new(STAGE_TLS).join(&staged[0]).join(&file);
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "{}", path.display());
+    }
+
+    // Online expansion through the Deployment's resizer and uStor: the image's file and the
+    // pod's filesystem grow under its writes.
+    let before = filesystem_bytes(&published);
+    expand_claim("claim-ustor", "96Mi");
+    wait_for(
+        "the filesystem grown in the pod",
+        Duration::from_secs(300),
+        || (filesystem_bytes(&published) > before + (24 << 20)).then_some(()),
+    );
+    assert_eq!(
+        std::fs::metadata(data.path().join(&export)).unwrap().len(),
+        96 << 20,
+        "the image's file"
+    );
+    wait_io_progress(&published, 5, "the pod's writes after the expansion");
+    assert_no_new_io_errors(errors_before);
+
+    // Deleting the pod and the claim removes the image, its grant and the node's copy of the
+    // TLS material.
+    delete_pod("ustor-writer");
+    kubectl(&[
+        "delete",
+        "pvc",
+        "claim-ustor",
+        "--wait=true",
+        "--timeout=180s",
+    ]);
+    wait_for("uStor's image deleted", Duration::from_secs(300), || {
+        ustor.images().is_empty().then_some(())
+    });
+    assert_eq!(names_in(data.path()), Vec::<String>::new(), "uStor's files");
+    wait_for("no VolumeAttachment left", Duration::from_secs(180), || {
+        kubectl(&["get", "volumeattachments", "-o", "name"])
+            .trim()
+            .is_empty()
+            .then_some(())
+    });
+    assert_eq!(
+        names_in(Path::new(STAGE_TLS)),
+        Vec::<String>::new(),
+        "stage TLS left"
+    );
+    assert_eq!(our_mounts(), Vec::<String>::new(), "mounts left behind");
+    let (code, status) = run("ustor-csi-node", &["status"]);
+    assert_eq!(code, 0, "status: {status}");
+
+    kubectl(&[
+        "delete",
+        "mindustorstorageclass",
+        "ustor-tls",
+        "--wait=true",
+    ]);
+    kubectl(&[
+        "delete",
+        "mindustorstorageconnection",
+        "ustor-main",
+        "--wait=true",
+    ]);
+    kubectl(&[
+        "delete",
+        "-n",
+        DRIVER_NAMESPACE,
+        "deployment/csi-controller",
+        "--wait=true",
+        "--timeout=180s",
+    ]);
+    remove_webhook();
+    eprintln!(
+        "the controller's Deployment scenario took {:.0} s",
         started.elapsed().as_secs_f64()
     );
 }

@@ -2,6 +2,13 @@
 //! `controller-shim/USTOR_API.md` (login, pools, images, snapshots, grants), in memory, over plain
 //! HTTP on loopback. Tests steer it: which users exist and why a login is refused, token
 //! expiry, and they read how many logins reached it.
+//!
+//! By default it holds no data. With [`FakeUstor::serve_data_from`] its images are sparse files
+//! in a directory that a real NBD server (`nbdkit file dir=…`) serves by export name, and each
+//! live grant is a hard link `<export>@<token>` to its image, so a node opens an image only by
+//! a live grant's name, as the contract says. (Unlike uStor, a revoke does not cut connections
+//! already open, and a name without a grant gets nbdkit's "unknown export", not a policy
+//! refusal: the fencing tests use the local backend's gate for those.)
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -34,6 +41,34 @@ struct Inner {
     nbd_tls: std::sync::atomic::AtomicBool,
     /// Routes whose requests wait at the server, as at one that stalls (see [`Hold`]).
     holds: Mutex<Vec<Arc<HeldRoute>>>,
+    /// Where images keep their data, once a test asked for it.
+    data: std::sync::OnceLock<DataPlane>,
+}
+
+/// Images as files in `dir`, served by the NBD server at `nbd`.
+#[derive(Debug)]
+struct DataPlane {
+    dir: std::path::PathBuf,
+    nbd: SocketAddr,
+}
+
+impl DataPlane {
+    fn image(&self, export: &str) -> std::path::PathBuf {
+        self.dir.join(export)
+    }
+
+    fn grant(&self, export: &str, token: &str) -> std::path::PathBuf {
+        self.dir.join(format!("{export}@{token}"))
+    }
+}
+
+/// A failed file operation of the data plane, as uStor would answer an internal failure.
+fn storage_error(what: &str, e: std::io::Error) -> Response {
+    error(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "Internal",
+        &format!("{what}: {e}"),
+    )
 }
 
 /// One held route: how many of its requests arrived, and whether they may go on.
@@ -223,6 +258,20 @@ impl FakeUstor {
             .map(|(_, token)| token.clone())
     }
 
+    /// Images created from now on hold their data in `dir` (sparse files named by export),
+    /// served by the NBD server that listens at `nbd` (`nbdkit file dir=<dir>`); grants are
+    /// hard links `<export>@<token>` there. Once per server.
+    pub fn serve_data_from(&self, dir: &std::path::Path, nbd: SocketAddr) {
+        let plane = DataPlane {
+            dir: dir.to_owned(),
+            nbd,
+        };
+        assert!(
+            self.inner.data.set(plane).is_ok(),
+            "the data plane is set once"
+        );
+    }
+
     /// Images created from now on are served over TLS (their `nbd.tls` is true).
     pub fn serve_nbd_over_tls(&self, on: bool) {
         self.inner.nbd_tls.store(on, Ordering::SeqCst);
@@ -392,8 +441,18 @@ async fn create_image(State(s): St, Path(pool): Path<String>, Json(body): Json<V
         return error(StatusCode::CONFLICT, "AlreadyExists", "image exists");
     }
     let tls = s.nbd_tls.load(Ordering::SeqCst);
+    let nbd = match s.data.get() {
+        Some(plane) => {
+            let made = std::fs::File::create_new(plane.image(&name)).and_then(|f| f.set_len(size));
+            if let Err(e) = made {
+                return storage_error("creating the image's file", e);
+            }
+            plane.nbd
+        }
+        None => SocketAddr::from(([127, 0, 0, 1], 10809)),
+    };
     let image = json!({"name": name, "sizeBytes": size, "labels": body["labels"].clone(),
-        "nbd": {"host": "127.0.0.1", "port": 10809, "export": name, "tls": tls}});
+        "nbd": {"host": nbd.ip().to_string(), "port": nbd.port(), "export": name, "tls": tls}});
     images.insert(key, image.clone());
     (StatusCode::CREATED, Json(image)).into_response()
 }
@@ -420,6 +479,15 @@ async fn patch_image(
                 "images only grow",
             );
         }
+        if let Some(plane) = s.data.get() {
+            let grown = std::fs::OpenOptions::new()
+                .write(true)
+                .open(plane.image(&name))
+                .and_then(|f| f.set_len(size));
+            if let Err(e) = grown {
+                return storage_error("growing the image's file", e);
+            }
+        }
         image["sizeBytes"] = json!(size);
     }
     if body["labels"].is_object() {
@@ -430,11 +498,36 @@ async fn patch_image(
 
 async fn delete_image(State(s): St, Path((pool, name)): Path<(String, String)>) -> Response {
     let key = format!("{pool}/{name}");
-    s.grants
+    let grants = s
+        .grants
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .remove(&key);
+    if let Some(plane) = s.data.get() {
+        if s.images
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains_key(&key)
+        {
+            let links = grants
+                .into_iter()
+                .flatten()
+                .map(|(_, (_, t))| plane.grant(&name, &t));
+            for file in links.chain([plane.image(&name)]) {
+                if let Err(e) = remove_if_there(&file) {
+                    return storage_error("removing the image's files", e);
+                }
+            }
+        }
+    }
     take(&s.images, &key, "image")
+}
+
+fn remove_if_there(file: &std::path::Path) -> std::io::Result<()> {
+    match std::fs::remove_file(file) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
 }
 
 /// 128 random bits as hex, as the contract's tokens are.
@@ -476,6 +569,16 @@ async fn put_grant(
         .entry(node.clone())
         .or_insert_with(|| (read_only, new_token()))
         .clone();
+    if let Some(plane) = s.data.get() {
+        // A repeated PUT finds its link made.
+        let link = plane.grant(&name, &token);
+        match std::fs::hard_link(plane.image(&name), &link) {
+            Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
+                return storage_error("linking the grant's export name", e)
+            }
+            _ => {}
+        }
+    }
     Json(json!({"node": node, "readOnly": read_only, "token": token})).into_response()
 }
 
@@ -488,7 +591,14 @@ async fn delete_grant(
         .get_mut(&format!("{pool}/{name}"))
         .and_then(|g| g.remove(&node))
     {
-        Some(_) => StatusCode::NO_CONTENT.into_response(),
+        Some((_, token)) => {
+            if let Some(plane) = s.data.get() {
+                if let Err(e) = remove_if_there(&plane.grant(&name, &token)) {
+                    return storage_error("unlinking the grant's export name", e);
+                }
+            }
+            StatusCode::NO_CONTENT.into_response()
+        }
         None => error(StatusCode::NOT_FOUND, "NotFound", "no such grant"),
     }
 }

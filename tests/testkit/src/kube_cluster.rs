@@ -187,12 +187,16 @@ impl KubeCluster {
     }
 
     /// Starts kube-controller-manager (garbage collection of owned objects, among others).
+    /// Service account tokens carry the API server's own CA, so that a pod's in-cluster
+    /// client verifies it (the real node runs the controller's Deployment).
     pub fn start_controller_manager(&mut self) -> io::Result<()> {
         let child = self
             .component("kube-controller-manager", "controller-manager")?
             .arg("--use-service-account-credentials=false")
             .arg("--service-account-private-key-file")
             .arg(self.root().join("sa.key"))
+            .arg("--root-ca-file")
+            .arg(self.root().join("certs").join("apiserver.crt"))
             .spawn()?;
         self.controller_manager = Some(child);
         Ok(())
