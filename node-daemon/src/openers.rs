@@ -149,16 +149,27 @@ mod tests {
             .stdin(Stdio::null())
             .spawn()
             .unwrap();
-        let found = opened_by_number(&numbers, |t| t.is_char_device());
+        // Until the child has exec'd, it shows the test's own command.
+        let want = format!("{} (sleep)", child.id());
+        let holders_of_null = || {
+            opened_by_number(&numbers, |t| t.is_char_device())
+                .remove("the-null")
+                .unwrap_or_default()
+        };
+        let until = Instant::now() + Duration::from_secs(10);
+        let mut holders = holders_of_null();
+        while !holders.contains(&want) && Instant::now() < until {
+            std::thread::sleep(POLL);
+            holders = holders_of_null();
+        }
         let _ = child.kill();
         let _ = child.wait();
-        let holders = found.get("the-null").cloned().unwrap_or_default();
-        assert!(
-            holders.contains(&format!("{} (sleep)", child.id())),
-            "holders of /dev/null: {holders:?}"
-        );
+        assert!(holders.contains(&want), "holders of /dev/null: {holders:?}");
         let none = opened_by_number(&numbers, |t| t.is_block_device());
-        assert!(none.is_empty(), "a char device counted as a block device: {none:?}");
+        assert!(
+            none.is_empty(),
+            "a char device counted as a block device: {none:?}"
+        );
     }
 
     /// Another process with the file open is named; this process, which has it open too,
