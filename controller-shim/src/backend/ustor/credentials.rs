@@ -9,7 +9,13 @@ use std::path::{Path, PathBuf};
 /// Why the credentials could not be read.
 #[derive(Debug, thiserror::Error)]
 pub enum CredentialsError {
-    #[error("uStor credentials: the connection's Secret has not been read yet")]
+    /// The connection's reconciler has not taken credentials from its Secret: not yet, or
+    /// they were found wrong there (its status says why; the real node found an operator
+    /// left with this message alone).
+    #[error(
+        "uStor credentials: none taken from the connection's Secret yet; its \
+         MindUstorStorageConnection's status says why (kubectl get mindustorstorageconnections -o wide)"
+    )]
     NotRead,
     #[error("uStor credentials: {}: {source}", path.display())]
     Read {
