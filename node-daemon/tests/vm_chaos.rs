@@ -159,6 +159,21 @@ fn say(line: &str) {
     let _ = writeln!(std::io::stderr(), "{line}");
 }
 
+/// How long an expansion whose server came back may take before the campaign reports where
+/// the kernel's tasks wait.
+const STALL: Duration = Duration::from_secs(15);
+
+/// Says why, then has the kernel print every task in uninterruptible sleep with its stack
+/// (sysrq `w`) to the console log.
+fn dump_blocked_tasks(why: &str) {
+    say(&format!(
+        "chaos: {why}; blocked tasks follow in the kernel log"
+    ));
+    if let Err(e) = std::fs::write("/proc/sysrq-trigger", b"w") {
+        say(&format!("chaos: sysrq-trigger: {e}"));
+    }
+}
+
 fn drop_page_cache() {
     std::fs::write("/proc/sys/vm/drop_caches", "3").unwrap();
 }
@@ -381,7 +396,18 @@ async fn a_chaos_campaign_loses_no_acknowledged_write() {
                 s.vol.server.kill();
                 tokio::time::sleep(rng.millis(200, 2000)).await;
                 s.vol.server.start().unwrap();
-                let first = expansion.await.unwrap();
+                let mut expansion = expansion;
+                // A server back within 2 s leaves an expansion no reason to take long: past
+                // 15 s, the kernel's blocked tasks go to the console for the report.
+                let first = match tokio::time::timeout(STALL, &mut expansion).await {
+                    Ok(done) => done.unwrap(),
+                    Err(_) => {
+                        dump_blocked_tasks(&format!(
+                            "seed {seed}, round {round}: NodeExpand under an outage past {STALL:?}"
+                        ));
+                        expansion.await.unwrap()
+                    }
+                };
                 if first.is_err() {
                     abandoned_calls += until_ok(&mut rng, "NodeExpand", |d| {
                         let mut c = c.clone();
