@@ -66,23 +66,11 @@ fn opened_by_number(
     numbers: &std::collections::HashMap<u64, String>,
     kind: impl Fn(&std::fs::FileType) -> bool,
 ) -> BTreeMap<String, Vec<String>> {
-    let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    each_open_file(|pid, comm, fd| {
-        let Ok(meta) = std::fs::metadata(fd) else {
-            return;
-        };
-        if !kind(&meta.file_type()) {
-            return;
-        }
-        if let Some(name) = numbers.get(&meta.rdev()) {
-            let holder = format!("{pid} ({comm})");
-            let list = out.entry(name.clone()).or_default();
-            if !list.contains(&holder) {
-                list.push(holder);
-            }
-        }
-    });
-    out
+    holders_by(|_, meta| {
+        kind(&meta.file_type())
+            .then(|| numbers.get(&meta.rdev()).cloned())
+            .flatten()
+    })
 }
 
 /// `pid (command)` of each process but this one with a file open that `is_it` accepts
@@ -90,19 +78,25 @@ fn opened_by_number(
 /// device node, a bind mount).
 fn holders(is_it: impl Fn(&std::fs::Metadata) -> bool) -> Vec<String> {
     let own = std::process::id();
-    let mut out: Vec<String> = Vec::new();
+    holders_by(|pid, meta| (pid != own && is_it(meta)).then(String::new))
+        .remove("")
+        .unwrap_or_default()
+}
+
+/// Every process with an open file, `pid (command)` once each, grouped under the name
+/// `group` gives what its descriptor has open (`None`: not counted).
+fn holders_by(
+    group: impl Fn(u32, &std::fs::Metadata) -> Option<String>,
+) -> BTreeMap<String, Vec<String>> {
+    let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
     each_open_file(|pid, comm, fd| {
-        if pid == own {
-            return;
-        }
-        let Ok(meta) = std::fs::metadata(fd) else {
+        let Some(name) = std::fs::metadata(fd).ok().and_then(|m| group(pid, &m)) else {
             return;
         };
-        if is_it(&meta) {
-            let holder = format!("{pid} ({comm})");
-            if !out.contains(&holder) {
-                out.push(holder);
-            }
+        let holder = format!("{pid} ({comm})");
+        let list = out.entry(name).or_default();
+        if !list.contains(&holder) {
+            list.push(holder);
         }
     });
     out

@@ -799,9 +799,9 @@ async fn controller_up(extra: &[&str]) -> (ControllerProcess, Sidecars) {
     (controller, sidecars)
 }
 
-/// Deleting the claims leaves nothing behind: no PersistentVolume, no attachment, no mount,
-/// no device serving a volume, no backend image; `status` exits 0.
-fn assert_nothing_left(controller: &ControllerProcess) {
+/// Deleting the claims leaves nothing behind in the cluster or on the node: no
+/// PersistentVolume, no attachment, no mount, no device serving a volume; `status` exits 0.
+fn assert_node_clean() {
     wait_for("no PersistentVolume left", Duration::from_secs(300), || {
         kubectl(&["get", "pv", "-o", "name"])
             .trim()
@@ -826,10 +826,13 @@ fn assert_nothing_left(controller: &ControllerProcess) {
             .all(|d| d["volume"].is_null()),
         "a device still serves a volume: {status}"
     );
+}
+
+/// [`assert_node_clean`], and the local backend holds no image or snapshot.
+fn assert_nothing_left(controller: &ControllerProcess) {
+    assert_node_clean();
     for kind in ["images", "snapshots"] {
-        let left: Vec<_> = std::fs::read_dir(controller.store.join(kind))
-            .map(|d| d.flatten().map(|e| e.file_name()).collect())
-            .unwrap_or_default();
+        let left = names_in(&controller.store.join(kind));
         assert!(left.is_empty(), "backend {kind} left: {left:?}");
     }
 }
@@ -1077,25 +1080,17 @@ const DRIVER_NAMESPACE: &str = "d8-csi-mind-ustor";
 const CONTROLLER_DEPLOYMENT: &str = "/vm/kube/controller-deployment.yaml";
 /// The uid `packaging/image` runs the controller as.
 const CONTROLLER_UID: &str = "65532";
+/// The uStor user's password: one uStor's policy accepts (none of its specials but `!`).
+const USTOR_PASSWORD: &str = "Pa55word!forCsi";
 /// Where the node daemon keeps the TLS material NodeStage's secrets brought (`stage_tls`).
 const STAGE_TLS: &str = "/var/lib/ustor-csi/stage-tls";
 
-/// A Secret of the driver's namespace from files (`key=path`), as an operator makes it.
-fn secret_from_files(name: &str, files: &[(&str, PathBuf)]) {
-    let mut args = vec![
-        "create".to_owned(),
-        "secret".into(),
-        "generic".into(),
-        name.into(),
-        "-n".into(),
-        DRIVER_NAMESPACE.into(),
-    ];
-    args.extend(
-        files
-            .iter()
-            .map(|(key, path)| format!("--from-file={key}={}", path.display())),
-    );
-    kubectl(&args.iter().map(String::as_str).collect::<Vec<_>>());
+/// A Secret of the driver's namespace from `sources` (`--from-file=key=path`,
+/// `--from-literal=key=value`), as an operator makes it.
+fn create_secret(name: &str, sources: &[String]) {
+    let mut args = vec!["create", "secret", "generic", name, "-n", DRIVER_NAMESPACE];
+    args.extend(sources.iter().map(String::as_str));
+    kubectl(&args);
 }
 
 /// The uid lines (real, effective, saved, filesystem) of the controller's process on this
@@ -1154,7 +1149,7 @@ async fn the_controller_deployment_from_its_image_serves_a_tls_claim() {
     let args: Vec<&str> = server_args.iter().map(String::as_str).collect();
     let nbd = testkit::NbdServer::nbdkit(testkit::Listen::Tcp, &args).unwrap();
     let ustor = testkit::fake_ustor::FakeUstor::start().await.unwrap();
-    ustor.set_user("csi", "Pa55word!forCsi", None);
+    ustor.set_user("csi", USTOR_PASSWORD, None);
     ustor.serve_nbd_over_tls(true);
     ustor.serve_data_from(
         data.path(),
@@ -1183,26 +1178,23 @@ async fn the_controller_deployment_from_its_image_serves_a_tls_claim() {
         [CONTROLLER_UID; 4].join(" "),
         "the controller's uids (real, effective, saved, fs)"
     );
-    let password = tempfile::NamedTempFile::new().unwrap();
-    std::fs::write(password.path(), "Pa55word!forCsi").unwrap();
-    let username = tempfile::NamedTempFile::new().unwrap();
-    std::fs::write(username.path(), "csi").unwrap();
-    secret_from_files(
+    create_secret(
         "ustor-creds",
         &[
-            ("username", username.path().to_owned()),
-            ("password", password.path().to_owned()),
+            "--from-literal=username=csi".to_owned(),
+            format!("--from-literal=password={USTOR_PASSWORD}"),
         ],
     );
-    secret_from_files(
+    let tls_files = [
+        ("ca.crt", "ca-cert.pem"),
+        ("client.crt", "client-cert.pem"),
+        ("client.key", "client-key.pem"),
+        ("etcd-client.crt", "client-cert.pem"),
+        ("etcd-client.key", "client-key.pem"),
+    ];
+    create_secret(
         "ustor-tls",
-        &[
-            ("ca.crt", pki.file("ca-cert.pem")),
-            ("client.crt", pki.file("client-cert.pem")),
-            ("client.key", pki.file("client-key.pem")),
-            ("etcd-client.crt", pki.file("client-cert.pem")),
-            ("etcd-client.key", pki.file("client-key.pem")),
-        ],
+        &tls_files.map(|(key, file)| format!("--from-file={key}={}", pki.file(file).display())),
     );
     apply(&format!(
         "apiVersion: storage.deckhouse.io/v1alpha1\nkind: MindUstorStorageConnection\n\
@@ -1316,20 +1308,12 @@ async fn the_controller_deployment_from_its_image_serves_a_tls_claim() {
         ustor.images().is_empty().then_some(())
     });
     assert_eq!(names_in(data.path()), Vec::<String>::new(), "uStor's files");
-    wait_for("no VolumeAttachment left", Duration::from_secs(180), || {
-        kubectl(&["get", "volumeattachments", "-o", "name"])
-            .trim()
-            .is_empty()
-            .then_some(())
-    });
+    assert_node_clean();
     assert_eq!(
         names_in(Path::new(STAGE_TLS)),
         Vec::<String>::new(),
         "stage TLS left"
     );
-    assert_eq!(our_mounts(), Vec::<String>::new(), "mounts left behind");
-    let (code, status) = run("ustor-csi-node", &["status"]);
-    assert_eq!(code, 0, "status: {status}");
 
     kubectl(&[
         "delete",
