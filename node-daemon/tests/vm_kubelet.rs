@@ -1087,10 +1087,22 @@ const STAGE_TLS: &str = "/var/lib/ustor-csi/stage-tls";
 
 /// A Secret of the driver's namespace from `sources` (`--from-file=key=path`,
 /// `--from-literal=key=value`), as an operator makes it.
+/// Creates or replaces the Secret `name`: the host's control plane outlives one kernel's
+/// node, so a Secret of the other kernel's run may be there, holding its own test PKI.
 fn create_secret(name: &str, sources: &[String]) {
-    let mut args = vec!["create", "secret", "generic", name, "-n", DRIVER_NAMESPACE];
+    let mut args = vec![
+        "create",
+        "secret",
+        "generic",
+        name,
+        "-n",
+        DRIVER_NAMESPACE,
+        "--dry-run=client",
+        "-o",
+        "yaml",
+    ];
     args.extend(sources.iter().map(String::as_str));
-    kubectl(&args);
+    apply(&kubectl(&args));
 }
 
 /// The uid lines (real, effective, saved, filesystem) of the controller's process on this
@@ -1334,6 +1346,15 @@ async fn the_controller_deployment_from_its_image_serves_a_tls_claim() {
         "deployment/csi-controller",
         "--wait=true",
         "--timeout=180s",
+    ]);
+    kubectl(&[
+        "delete",
+        "secret",
+        "-n",
+        DRIVER_NAMESPACE,
+        "ustor-creds",
+        "ustor-tls",
+        "--ignore-not-found",
     ]);
     remove_webhook();
     eprintln!(
