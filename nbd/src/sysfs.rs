@@ -146,8 +146,9 @@ impl Sysfs {
         Ok(sectors * 512)
     }
 
-    /// Requests the block layer has in flight on the device (reads and writes, submitted and
-    /// not yet completed: `inflight`).
+    /// Requests the block layer has in flight on the device (reads and writes handed to the
+    /// driver and not yet completed: `inflight`). A request the driver holds back to wait for
+    /// a reconnect is not counted.
     pub fn in_flight(&self, index: DeviceIndex) -> Result<u64, Error> {
         let (path, text) = self.read_attr(index, "inflight")?;
         text.split_whitespace()
@@ -156,6 +157,18 @@ impl Sysfs {
                     .map_err(|_| invalid_data(path.clone(), format!("not two numbers: {text:?}")))
             })
             .sum()
+    }
+
+    /// How long the kernel lets a request of the device run before it times out
+    /// (`queue/io_timeout`): a request sent on a connection that then died stays in flight
+    /// until then, and the block layer's timer may add up to a second.
+    pub fn io_timeout(&self, index: DeviceIndex) -> Result<Duration, Error> {
+        let (path, text) = self.read_attr(index, "queue/io_timeout")?;
+        let millis: u64 = text
+            .trim()
+            .parse()
+            .map_err(|_| invalid_data(path, format!("not a number: {text:?}")))?;
+        Ok(Duration::from_millis(millis))
     }
 
     /// Whether the kernel marked the device read-only.

@@ -399,3 +399,48 @@ async fn explicit_index_and_busy_device() {
     assert_eq!(again.device.index(), index);
     detach(&nl, &again).await;
 }
+
+/// A size RECONFIGURE goes out only if its gate holds, and the gate runs on the sending
+/// thread, where it can read what the kernel shows of the device just before the send.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "vm: needs root and the nbd module"]
+async fn a_gated_resize_is_sent_only_when_its_gate_holds() {
+    let nl = NbdNetlink::open().await.unwrap();
+    let server = NbdServer::nbdkit(Listen::Unix, &["memory", "8M"]).unwrap();
+    let a = attach(&nl, &server.uri(), "gated-resize").await;
+    let (sysfs, index) = (Sysfs::default(), a.device.index());
+    let before = sysfs.size_bytes(index).unwrap();
+    let smaller = before / 2;
+    let request = ReconfigureRequest {
+        index,
+        identifier: a.device.identifier(),
+        sockets: &[],
+        size_bytes: Some(smaller),
+        dead_conn_timeout: None,
+    };
+
+    assert!(!nl.reconfigure_when(&request, || false).await.unwrap());
+    assert_eq!(
+        sysfs.size_bytes(index).unwrap(),
+        before,
+        "a gate that does not hold sends nothing"
+    );
+
+    let seen = Arc::new(AtomicU64::new(u64::MAX));
+    let (gate_seen, gate_sysfs) = (Arc::clone(&seen), sysfs.clone());
+    let sent = nl
+        .reconfigure_when(&request, move || {
+            gate_seen.store(gate_sysfs.in_flight(index).unwrap(), Ordering::SeqCst);
+            true
+        })
+        .await
+        .unwrap();
+    assert!(sent);
+    assert_eq!(
+        seen.load(Ordering::SeqCst),
+        0,
+        "the gate saw the idle device"
+    );
+    sysfs.wait_ready(index, smaller, RELEASE).await.unwrap();
+    detach(&nl, &a).await;
+}

@@ -86,6 +86,25 @@ impl NbdNetlink {
             .map(drop)
     }
 
+    /// RECONFIGURE sent only if `ready` holds, asked on the sending thread right before the
+    /// send: nothing of this process runs between the check and the kernel's handling of the
+    /// request. `Ok(false)` when it did not hold and nothing was sent. For a size change that
+    /// must find the device idle (see [`NbdNetlink::request`]).
+    pub async fn reconfigure_when(
+        &self,
+        req: &ReconfigureRequest<'_>,
+        ready: impl FnOnce() -> bool + Send + 'static,
+    ) -> Result<bool, Error> {
+        let msg = message::reconfigure(req).map_err(|detail| Error::BadReply {
+            op: "RECONFIGURE",
+            detail,
+        })?;
+        Ok(self
+            .request_when("RECONFIGURE", &req.index.to_string(), msg, ready)
+            .await?
+            .is_some())
+    }
+
     /// Disconnects a device whose identity has been proven. I/O still in flight fails with
     /// EIO, so callers unmount and flush first.
     pub async fn disconnect(&self, device: &ProvenDevice) -> Result<(), Error> {
@@ -125,6 +144,20 @@ impl NbdNetlink {
         device: &str,
         msg: NbdMessage,
     ) -> Result<Vec<NbdMessage>, Error> {
+        Ok(self
+            .request_when(op, device, msg, || true)
+            .await?
+            .unwrap_or_default())
+    }
+
+    /// Sends `msg` if `ready` holds on the sending thread; `None` when it did not.
+    async fn request_when(
+        &self,
+        op: &'static str,
+        device: &str,
+        msg: NbdMessage,
+        ready: impl FnOnce() -> bool + Send + 'static,
+    ) -> Result<Option<Vec<NbdMessage>>, Error> {
         // The kernel runs nbd's handler inside our `sendmsg`, under the genl mutex every nbd
         // request of the machine shares, and a handler can wait there for tens of seconds: a
         // size RECONFIGURE freezes the queue until the I/O in flight ends (6.9 and later),
@@ -132,13 +165,20 @@ impl NbdNetlink {
         // thread: a runtime worker never waits for the kernel; the reply is awaited here.
         let (router, family) = (Arc::clone(&self.router), self.family);
         let runtime = tokio::runtime::Handle::current();
-        let mut recv: NlRouterReceiverHandle<u16, NbdMessage> =
+        let sent: Option<NlRouterReceiverHandle<u16, NbdMessage>> =
             tokio::task::spawn_blocking(move || {
-                runtime.block_on(router.send(family, NlmF::ACK, NlPayload::Payload(msg)))
+                ready()
+                    .then(|| {
+                        runtime.block_on(router.send(family, NlmF::ACK, NlPayload::Payload(msg)))
+                    })
+                    .transpose()
             })
             .await
             .map_err(|e| Error::NetlinkSocket(format!("sending {op}: the sending thread: {e}")))?
             .map_err(|e| Error::NetlinkSocket(format!("sending {op}: {e}")))?;
+        let Some(mut recv) = sent else {
+            return Ok(None);
+        };
         let mut replies = Vec::new();
         while let Some(next) = recv.next::<u16, NbdMessage>().await {
             match next {
@@ -163,7 +203,7 @@ impl NbdNetlink {
                 Err(e) => return Err(Error::NetlinkSocket(format!("{op} reply: {e}"))),
             }
         }
-        Ok(replies)
+        Ok(Some(replies))
     }
 }
 
