@@ -102,7 +102,7 @@ impl NodeService {
             .metrics
             .observe_call(op, code, started.elapsed().as_secs_f64());
         if let Some(index) = self.node.record(volume_id).and_then(|r| r.device) {
-            span.record("device", format!("/dev/nbd{index}"));
+            span.record("device", index.to_string());
         }
         let _enter = span.enter();
         match result {
