@@ -57,6 +57,20 @@ pub fn states(known: &[TcpConnection]) -> Vec<Option<bool>> {
         .collect()
 }
 
+/// Whether one of `known` may still carry I/O: `false` only when the kernel shows every one
+/// closed (a device with live connections sends its I/O over them rather than waiting for a
+/// reconnect). No TCP connections at all (unix sockets) cannot be asked after: `true`.
+pub fn some_open(known: &[TcpConnection]) -> bool {
+    let states = states(known);
+    states.is_empty() || states.iter().any(|s| *s != Some(false))
+}
+
+/// Whether every one of `known` is established, as far as the kernel can tell (none at all:
+/// `true`).
+pub fn all_open(known: &[TcpConnection]) -> bool {
+    states(known).iter().all(|s| *s != Some(false))
+}
+
 /// Of `known`, the connections still established: after a RECONFIGURE the kernel kept the
 /// fresh sockets that found a dead slot and the live old ones; the others are closed (call
 /// this after dropping our copies). If the kernel cannot tell, all are kept: an address that
@@ -234,8 +248,13 @@ pub async fn offer_new_connections(
 ) -> Result<(), NodeError> {
     let export = crate::node::known_export(record)?;
     let uri = crate::node::export_uri(&export)?;
+    let started = Instant::now();
     let dialed = nbd::dial::dial(&uri, &node.dial_options(&export)?).await?;
     let volume = record.volume_id.as_str();
+    // Each step's time since the dial began: a splice that waits (for the link lock, or for
+    // the kernel's genl mutex behind a resize) shows where.
+    let since = || crate::healer::millis(started.elapsed());
+    tracing::debug!(%volume, device = %device.index(), dial_ms = since(), "dialed; offering new connections");
     let differences = splice_refusal(
         record,
         node.kernel.size_bytes(device.index())?,
@@ -252,6 +271,7 @@ pub async fn offer_new_connections(
         .into());
     }
     let _link = node.link_locks.lock(volume).await;
+    tracing::debug!(%volume, at_ms = since(), "link lock taken");
     if node.is_detaching(volume) {
         return Err(ConnectionsError::Detaching {
             volume: volume.to_owned(),
@@ -266,6 +286,7 @@ pub async fn offer_new_connections(
         node.set_tcp(volume, &record.identifier, union(&known, &fresh))?;
     }
     let offered = node.kernel.reconnect(&device, &dialed).await;
+    tracing::debug!(%volume, at_ms = since(), ok = offered.is_ok(), "RECONFIGURE with new sockets returned");
     // Unix sockets the kernel took are kept; every other copy is closed here.
     node.held
         .offered(volume, record.identifier.as_str(), dialed.sockets);

@@ -32,6 +32,10 @@ pub(crate) mod fake;
 /// The sysfs facts are read from a [`Sysfs`] by the provided methods, the same code for the
 /// real host and the fake (which roots its `Sysfs` in a temporary directory: the `nbd` crate's
 /// proof of a device is not faked). Implementors give [`Kernel::sysfs`] and the verbs.
+/// A check made on the thread that sends a RECONFIGURE, right before the send (see
+/// `nbd::netlink::NbdNetlink::reconfigure_when`). It may block: it runs on no runtime worker.
+pub type SendGate = Box<dyn FnOnce() -> bool + Send>;
+
 #[tonic::async_trait]
 pub trait Kernel: Send + Sync + 'static {
     /// Where the sysfs facts below are read; for those methods only, not a way round the
@@ -80,8 +84,14 @@ pub trait Kernel: Send + Sync + 'static {
     async fn attach(&self, dialed: Dialed, opts: &AttachOptions) -> Result<Attached, nbd::Error>;
     /// RECONFIGURE with fresh sockets (the kernel puts them into dead slots only).
     async fn reconnect(&self, device: &ProvenDevice, dialed: &Dialed) -> Result<(), nbd::Error>;
-    /// RECONFIGURE to a new size, no sockets.
-    async fn resize(&self, device: &ProvenDevice, bytes: u64) -> Result<(), nbd::Error>;
+    /// RECONFIGURE to a new size, no sockets, sent only if `ready` holds when asked on the
+    /// sending thread right before the send; `Ok(false)` when it did not and nothing was sent.
+    async fn resize_when(
+        &self,
+        device: &ProvenDevice,
+        bytes: u64,
+        ready: SendGate,
+    ) -> Result<bool, nbd::Error>;
     /// Waits until the device node exists and shows `bytes`.
     async fn wait_ready(
         &self,
@@ -193,16 +203,20 @@ impl Kernel for NbdKernel {
         nbd::attach::reconnect_dialed(&self.nl, device, dialed).await
     }
 
-    async fn resize(&self, device: &ProvenDevice, bytes: u64) -> Result<(), nbd::Error> {
-        self.nl
-            .reconfigure(&ReconfigureRequest {
-                index: device.index(),
-                identifier: device.identifier(),
-                sockets: &[],
-                size_bytes: Some(bytes),
-                dead_conn_timeout: None,
-            })
-            .await
+    async fn resize_when(
+        &self,
+        device: &ProvenDevice,
+        bytes: u64,
+        ready: SendGate,
+    ) -> Result<bool, nbd::Error> {
+        let request = ReconfigureRequest {
+            index: device.index(),
+            identifier: device.identifier(),
+            sockets: &[],
+            size_bytes: Some(bytes),
+            dead_conn_timeout: None,
+        };
+        self.nl.reconfigure_when(&request, ready).await
     }
 
     async fn wait_ready(

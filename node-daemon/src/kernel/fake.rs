@@ -18,7 +18,7 @@ use nbd::protocol::TransmissionFlags;
 use nbd::sysfs::{ProvenDevice, Sysfs};
 use nbd::{DeviceIndex, NbdUri};
 
-use super::{Host, Kernel, Mounts, Tools};
+use super::{Host, Kernel, Mounts, SendGate, Tools};
 use crate::blockdev::{BlockdevError, UnreadableError};
 use crate::error::NodeError;
 
@@ -187,10 +187,18 @@ impl Kernel for FakeHost {
         Ok(())
     }
 
-    async fn resize(&self, device: &ProvenDevice, bytes: u64) -> Result<(), nbd::Error> {
+    async fn resize_when(
+        &self,
+        device: &ProvenDevice,
+        bytes: u64,
+        ready: SendGate,
+    ) -> Result<bool, nbd::Error> {
+        if !ready() {
+            return Ok(false);
+        }
         self.record(format!("resize {} {bytes}", device.index()));
         self.set_device(device.index().0, Some(device.identifier().as_str()), bytes);
-        Ok(())
+        Ok(true)
     }
 
     async fn wait_ready(

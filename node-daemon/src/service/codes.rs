@@ -122,7 +122,9 @@ fn code(rpc: Rpc, e: &NodeError) -> Code {
             | ExpandError::UnalignedSize { .. }
             | ExpandError::OldConnections { .. } => Code::FailedPrecondition,
             // The connections may be replaceable on the next try: the CO retries.
-            ExpandError::ReplaceTimedOut { .. } | ExpandError::LinkDown { .. } => Code::Unavailable,
+            ExpandError::ReplaceTimedOut { .. }
+            | ExpandError::LinkDown { .. }
+            | ExpandError::NoQuietMoment { .. } => Code::Unavailable,
         },
         N::StageTls(e) => match e {
             StageTlsError::HalfIdentity { .. } | StageTlsError::NoCa => Code::InvalidArgument,
@@ -753,7 +755,20 @@ mod tests {
                 NodeExpand,
                 ExpandError::LinkDown {
                     volume: v(),
-                    detail: "every TCP connection closed again after each read, for 30s".into(),
+                    detail: "the device could not be read: /dev/nbd1 could not be read at 0+4096"
+                        .into(),
+                }
+                .into(),
+                Code::Unavailable,
+                Retry,
+            ),
+            (
+                NodeExpand,
+                ExpandError::NoQuietMoment {
+                    volume: v(),
+                    within: std::time::Duration::from_secs(30),
+                    busy: 80,
+                    closed: 3,
                 }
                 .into(),
                 Code::Unavailable,
@@ -863,6 +878,16 @@ mod tests {
                 }
                 .into(),
                 "retry once it has healed",
+            ),
+            (
+                ExpandError::NoQuietMoment {
+                    volume: v(),
+                    within: std::time::Duration::from_secs(30),
+                    busy: 80,
+                    closed: 3,
+                }
+                .into(),
+                "keeps its size: retry",
             ),
             (
                 JournalError::Io {

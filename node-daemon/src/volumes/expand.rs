@@ -69,12 +69,79 @@ pub enum ExpandError {
          resized while its I/O may wait for a reconnect, and keeps its size: retry once it has healed"
     )]
     LinkDown { volume: String, detail: String },
+    #[error(
+        "found no moment to resize the device of volume {volume} within {within:?}: {busy} looks found \
+         requests in flight throughout, {closed} found every TCP connection closed; it keeps its size: \
+         retry (a device is resized with I/O in flight only after its connections have stayed up for \
+         longer than its I/O timeout)"
+    )]
+    NoQuietMoment {
+        volume: String,
+        within: Duration,
+        busy: u32,
+        closed: u32,
+    },
 }
 
-/// How long a resize waits for the device to have no request in flight, before the link is
-/// proven again; and how many such waits a device always busy gets.
+/// How long each look for a moment with no request in flight lasts.
 const IDLE_WITHIN: Duration = Duration::from_millis(200);
-const BUSY_TRIES: u32 = 10;
+/// What the block layer's timer may add to a request's I/O timeout before the request is
+/// timed out (its timer is rounded up to a whole second), with room to spare.
+const TIMER_SLACK: Duration = Duration::from_secs(2);
+
+/// Why a look found no moment to resize in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum NotQuiet {
+    /// Requests were in flight for the whole look.
+    Busy,
+    /// The kernel showed every TCP connection of the device closed (or, for a forced
+    /// resize, one of them).
+    Closed,
+}
+
+/// The moment a resize is sent in, found on the thread that sends it, so that nothing of
+/// this process runs between the last look and the kernel's freeze (see
+/// [`Node::resize_while_live`]): one of the device's TCP connections established and no
+/// request in flight, looked at again for at most [`IDLE_WITHIN`]. A `forced` resize needs
+/// every connection established and no idle moment.
+struct QuietMoment {
+    sysfs: nbd::sysfs::Sysfs,
+    index: nbd::DeviceIndex,
+    /// The device's journaled TCP connections (none for unix-socket exports, whose proof is
+    /// the read before the resize).
+    tcp: Vec<crate::record::TcpConnection>,
+    forced: bool,
+}
+
+impl QuietMoment {
+    /// Polls until the moment comes. Blocks: runs only inside a [`crate::kernel::SendGate`].
+    fn wait(self) -> Result<(), NotQuiet> {
+        let until = std::time::Instant::now() + IDLE_WITHIN;
+        loop {
+            // The connections first, the requests in flight last: the send follows at once.
+            if self.forced {
+                return connections::all_open(&self.tcp)
+                    .then_some(())
+                    .ok_or(NotQuiet::Closed);
+            }
+            if !connections::some_open(&self.tcp) {
+                return Err(NotQuiet::Closed);
+            }
+            match self.sysfs.in_flight(self.index) {
+                Ok(0) => return Ok(()),
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::debug!(device = %self.index, error = %e, "cannot read the requests in flight");
+                    return Ok(());
+                }
+            }
+            if std::time::Instant::now() >= until {
+                return Err(NotQuiet::Busy);
+            }
+            std::thread::sleep(Duration::from_micros(500));
+        }
+    }
+}
 
 #[derive(Debug)]
 pub struct ExpandRequest {
@@ -252,9 +319,17 @@ impl Node {
     /// size changes only right after a read has proven the link live, under the link lock
     /// (our own reconnects stay out of the gap), while the kernel shows one of the device's
     /// TCP connections established, and at a moment with no request in flight. A filesystem
-    /// is kept frozen across it, so nothing of its own is in flight. What remains is a server
-    /// that dies in the instant between that moment and the freeze, under a request sent in
-    /// it: the kernel gives no way to close that.
+    /// is kept frozen across it, so nothing of its own is in flight.
+    ///
+    /// The last two are looked at on the thread that sends the RECONFIGURE, right before the
+    /// send ([`QuietMoment`]): a request that a writer sends between the look and the freeze
+    /// is what the freeze waits for, and a server that dies under it strands the resize. The
+    /// look used to be made on the runtime, a thread hand-off and a message build earlier
+    /// (milliseconds under load), and the long fault campaign hit that gap. What remains is a
+    /// server that dies in the microseconds between the look and the freeze, under a request
+    /// sent in them: the kernel gives no way to close that. (The kernel's `inflight` counts
+    /// only requests handed to a socket, not those waiting for a reconnect; these wait only
+    /// while every connection is dead, which the look at the connections rules out.)
     async fn resize_while_live(
         &self,
         record: &Record,
@@ -273,8 +348,21 @@ impl Node {
         };
         fail::fail_point!("expand-before-resize");
         crate::failpoints::pause("expand-before-resize").await;
-        let until = connections::deadline();
-        let mut busy = 0u32;
+        // A request sent on a connection that then died stays in flight until its I/O
+        // timeout, and is then sent again over a live one. A resize forced through requests
+        // in flight waits for them in the freeze: only once the connections have stayed the
+        // same and up for longer than that are none of them such a request.
+        let force_after = self
+            .kernel
+            .sysfs()
+            .io_timeout(index)
+            .unwrap_or(self.settings.io_timeout)
+            + TIMER_SLACK;
+        let within = connections::REPLACE_WITHIN.max(force_after * 2);
+        let until = std::time::Instant::now() + within;
+        let (mut busy, mut closed) = (0u32, 0u32);
+        // Since when the connections have been these, at every look.
+        let mut steady: Option<(std::time::Instant, Vec<crate::record::TcpConnection>)> = None;
         loop {
             // The read waits for a heal if the link is down (the healer is not held up): its
             // answer is the proof, whenever it comes; the dead-connection timeout fails it.
@@ -286,22 +374,49 @@ impl Node {
             .map_err(|e| link_down(format!("the device could not be read: {e}")))?;
             {
                 let _link = self.link_locks.lock(volume).await;
-                if self.some_connection_open(volume) {
-                    let device = self.kernel.prove(index, device.identifier())?;
-                    // A device never idle (a pod that keeps its queue full) is resized after
-                    // BUSY_TRIES fresh proofs, with its I/O in flight on a live link.
-                    if busy >= BUSY_TRIES || self.wait_idle(volume, index).await {
-                        self.kernel.resize(&device, bytes).await?;
-                        break;
+                let device = self.kernel.prove(index, device.identifier())?;
+                let tcp = self.connections_of(volume);
+                let since = match &steady {
+                    Some((since, seen)) if *seen == tcp => *since,
+                    _ => steady.insert((std::time::Instant::now(), tcp.clone())).0,
+                };
+                let quiet = QuietMoment {
+                    sysfs: self.kernel.sysfs().clone(),
+                    index,
+                    tcp,
+                    forced: since.elapsed() >= force_after,
+                };
+                let forced = quiet.forced;
+                let verdict = Arc::new(std::sync::OnceLock::new());
+                let gate_verdict = Arc::clone(&verdict);
+                let sent = std::time::Instant::now();
+                let gate = Box::new(move || match quiet.wait() {
+                    Ok(()) => true,
+                    Err(why) => {
+                        let _ = gate_verdict.set(why);
+                        false
                     }
-                    busy += 1;
+                });
+                if self.kernel.resize_when(&device, bytes, gate).await? {
+                    tracing::debug!(%volume, device = %index, bytes, forced, busy, closed, took_ms = crate::healer::millis(sent.elapsed()), "resized");
+                    break;
                 }
+                match verdict.get() {
+                    Some(NotQuiet::Closed) => {
+                        closed += 1;
+                        steady = None;
+                    }
+                    _ => busy += 1,
+                }
+                tracing::debug!(%volume, device = %index, busy, closed, "no moment to resize in yet");
             }
             if std::time::Instant::now() > until {
-                return Err(link_down(format!(
-                    "every TCP connection closed again after each read, for {:?}",
-                    connections::REPLACE_WITHIN
-                ))
+                return Err(ExpandError::NoQuietMoment {
+                    volume: volume.to_owned(),
+                    within,
+                    busy,
+                    closed,
+                }
                 .into());
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -310,35 +425,6 @@ impl Node {
             .wait_ready(index, bytes, Duration::from_secs(10))
             .await?;
         Ok(())
-    }
-
-    /// Waits, for at most [`IDLE_WITHIN`], for a moment with no request in flight on the
-    /// device: the kernel's freeze for the resize then has nothing to wait for, and a server
-    /// that dies during it cannot hold it up. `false` when none came, or when every TCP
-    /// connection closed meanwhile: the link must then be proven again before a resize.
-    async fn wait_idle(&self, volume: &str, index: nbd::DeviceIndex) -> bool {
-        let until = std::time::Instant::now() + IDLE_WITHIN;
-        while std::time::Instant::now() < until {
-            match self.kernel.sysfs().in_flight(index) {
-                Ok(0) => return true,
-                Ok(_) if !self.some_connection_open(volume) => return false,
-                Ok(_) => tokio::time::sleep(Duration::from_millis(1)).await,
-                Err(e) => {
-                    tracing::debug!(device = %index, error = %e, "cannot read the requests in flight");
-                    return true;
-                }
-            }
-        }
-        false
-    }
-
-    /// Whether one of the device's TCP connections may still carry I/O: `false` only when the
-    /// kernel shows every one closed (a device with live connections sends I/O over them
-    /// rather than waiting for a reconnect). Unix-socket connections cannot be asked after;
-    /// the read before the resize is their proof.
-    fn some_connection_open(&self, volume: &str) -> bool {
-        let states = connections::states(&self.connections_of(volume));
-        states.is_empty() || states.iter().any(|s| *s != Some(false))
     }
 
     /// New connections where the server serves the new size only on new ones, then the new
@@ -469,4 +555,65 @@ fn refuse_shrink(volume: &str, current: u64, export: u64) -> Result<(), NodeErro
         .into());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A sysfs with one device, nbd0, whose `inflight` file says `text` (reads, writes).
+    fn sysfs_in_flight(dir: &tempfile::TempDir, text: &str) -> nbd::sysfs::Sysfs {
+        let device = dir.path().join("nbd0");
+        std::fs::create_dir_all(&device).unwrap();
+        std::fs::write(device.join("inflight"), text).unwrap();
+        nbd::sysfs::Sysfs::new(dir.path(), dir.path().join("dev"))
+    }
+
+    fn moment(sysfs: nbd::sysfs::Sysfs, forced: bool) -> QuietMoment {
+        QuietMoment {
+            sysfs,
+            index: nbd::DeviceIndex(0),
+            tcp: Vec::new(),
+            forced,
+        }
+    }
+
+    #[test]
+    fn a_quiet_moment_is_an_idle_device() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(moment(sysfs_in_flight(&dir, "0 0\n"), false).wait(), Ok(()));
+    }
+
+    #[test]
+    fn a_device_busy_throughout_has_no_quiet_moment_unless_forced() {
+        let dir = tempfile::tempdir().unwrap();
+        let sysfs = sysfs_in_flight(&dir, "0 1\n");
+        let started = std::time::Instant::now();
+        assert_eq!(moment(sysfs.clone(), false).wait(), Err(NotQuiet::Busy));
+        assert!(
+            started.elapsed() >= IDLE_WITHIN,
+            "it looked again until IDLE_WITHIN"
+        );
+        assert_eq!(moment(sysfs, true).wait(), Ok(()));
+    }
+
+    #[test]
+    fn a_device_that_goes_idle_while_looked_at_is_caught() {
+        let dir = tempfile::tempdir().unwrap();
+        let sysfs = sysfs_in_flight(&dir, "2 0\n");
+        let path = dir.path().join("nbd0/inflight");
+        let writer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            std::fs::write(path, "0 0\n").unwrap();
+        });
+        assert_eq!(moment(sysfs, false).wait(), Ok(()));
+        writer.join().unwrap();
+    }
+
+    #[test]
+    fn an_unreadable_count_does_not_hold_the_resize_up() {
+        let dir = tempfile::tempdir().unwrap();
+        let sysfs = nbd::sysfs::Sysfs::new(dir.path(), dir.path().join("dev"));
+        assert_eq!(moment(sysfs, false).wait(), Ok(()));
+    }
 }
