@@ -102,8 +102,9 @@ enum NotQuiet {
 /// The moment a resize is sent in, found on the thread that sends it, so that nothing of
 /// this process runs between the last look and the kernel's freeze (see
 /// [`Node::resize_while_live`]): one of the device's TCP connections established and no
-/// request in flight, looked at again for at most [`IDLE_WITHIN`]. A `forced` resize needs
-/// every connection established and no idle moment.
+/// request in flight, looked at again for at most [`IDLE_WITHIN`]. A `forced` resize takes
+/// such a moment too if one comes, and at the end of the look goes through the requests in
+/// flight if every connection is established.
 struct QuietMoment {
     sysfs: nbd::sysfs::Sysfs,
     index: nbd::DeviceIndex,
@@ -119,11 +120,6 @@ impl QuietMoment {
         let until = std::time::Instant::now() + IDLE_WITHIN;
         loop {
             // The connections first, the requests in flight last: the send follows at once.
-            if self.forced {
-                return connections::all_open(&self.tcp)
-                    .then_some(())
-                    .ok_or(NotQuiet::Closed);
-            }
             if !connections::some_open(&self.tcp) {
                 return Err(NotQuiet::Closed);
             }
@@ -136,7 +132,12 @@ impl QuietMoment {
                 }
             }
             if std::time::Instant::now() >= until {
-                return Err(NotQuiet::Busy);
+                if !self.forced {
+                    return Err(NotQuiet::Busy);
+                }
+                return connections::all_open(&self.tcp)
+                    .then_some(())
+                    .ok_or(NotQuiet::Closed);
             }
             std::thread::sleep(Duration::from_micros(500));
         }
@@ -594,7 +595,12 @@ mod tests {
             started.elapsed() >= IDLE_WITHIN,
             "it looked again until IDLE_WITHIN"
         );
+        let started = std::time::Instant::now();
         assert_eq!(moment(sysfs, true).wait(), Ok(()));
+        assert!(
+            started.elapsed() >= IDLE_WITHIN,
+            "a forced resize, too, waited for an idle moment first"
+        );
     }
 
     #[test]
