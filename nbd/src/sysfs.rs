@@ -56,6 +56,14 @@ impl Sysfs {
         self.sys_block.join(index.name()).join(name)
     }
 
+    /// An attribute that holds one unsigned number.
+    fn read_number(&self, index: DeviceIndex, name: &str) -> Result<u64, Error> {
+        let (path, text) = self.read_attr(index, name)?;
+        text.trim()
+            .parse()
+            .map_err(|_| invalid_data(path, format!("not a number: {text:?}")))
+    }
+
     /// An attribute's path and its text, as read.
     fn read_attr(&self, index: DeviceIndex, name: &str) -> Result<(PathBuf, String), Error> {
         let path = self.attr(index, name);
@@ -138,12 +146,7 @@ impl Sysfs {
 
     /// Size of the device in bytes (0 when not configured).
     pub fn size_bytes(&self, index: DeviceIndex) -> Result<u64, Error> {
-        let (path, text) = self.read_attr(index, "size")?;
-        let sectors: u64 = text
-            .trim()
-            .parse()
-            .map_err(|_| invalid_data(path, format!("not a number: {text:?}")))?;
-        Ok(sectors * 512)
+        Ok(self.read_number(index, "size")? * 512)
     }
 
     /// Requests the block layer has in flight on the device (reads and writes handed to the
@@ -163,12 +166,9 @@ impl Sysfs {
     /// (`queue/io_timeout`): a request sent on a connection that then died stays in flight
     /// until then, and the block layer's timer may add up to a second.
     pub fn io_timeout(&self, index: DeviceIndex) -> Result<Duration, Error> {
-        let (path, text) = self.read_attr(index, "queue/io_timeout")?;
-        let millis: u64 = text
-            .trim()
-            .parse()
-            .map_err(|_| invalid_data(path, format!("not a number: {text:?}")))?;
-        Ok(Duration::from_millis(millis))
+        Ok(Duration::from_millis(
+            self.read_number(index, "queue/io_timeout")?,
+        ))
     }
 
     /// Whether the kernel marked the device read-only.

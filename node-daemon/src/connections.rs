@@ -68,7 +68,7 @@ pub fn some_open(known: &[TcpConnection]) -> bool {
 /// Whether every one of `known` is established, as far as the kernel can tell (none at all:
 /// `true`).
 pub fn all_open(known: &[TcpConnection]) -> bool {
-    states(known).iter().all(|s| *s != Some(false))
+    liveness_of(&states(known)) != Liveness::SomeClosed
 }
 
 /// Of `known`, the connections still established: after a RECONFIGURE the kernel kept the

@@ -26,16 +26,16 @@ use crate::blockdev::{BlockdevError, UnreadableError};
 #[cfg(test)]
 pub(crate) mod fake;
 
+/// A check made on the thread that sends a RECONFIGURE, right before the send (see
+/// `nbd::netlink::NbdNetlink::reconfigure_when`). It may block: it runs on no runtime worker.
+pub type SendGate = Box<dyn FnOnce() -> bool + Send>;
+
 /// The kernel's nbd driver and the exports it is fed from. A [`ProvenDevice`] is made only by
 /// [`Kernel::prove`] and [`Kernel::find`] (and an attach): acting on a device still needs proof.
 ///
 /// The sysfs facts are read from a [`Sysfs`] by the provided methods, the same code for the
 /// real host and the fake (which roots its `Sysfs` in a temporary directory: the `nbd` crate's
 /// proof of a device is not faked). Implementors give [`Kernel::sysfs`] and the verbs.
-/// A check made on the thread that sends a RECONFIGURE, right before the send (see
-/// `nbd::netlink::NbdNetlink::reconfigure_when`). It may block: it runs on no runtime worker.
-pub type SendGate = Box<dyn FnOnce() -> bool + Send>;
-
 #[tonic::async_trait]
 pub trait Kernel: Send + Sync + 'static {
     /// Where the sysfs facts below are read; for those methods only, not a way round the
