@@ -239,7 +239,7 @@ fn start_containerd() {
     wait_for("containerd answers", Duration::from_secs(60), || {
         (run("ctr", &["version"]).0 == 0).then_some(())
     });
-    // pause, busybox and the e2e suite's agnhost (tests/kube/build-node-images).
+    // pause, busybox and, when the e2e suite runs, its agnhost (tests/kube/build-node-images).
     for archive in std::fs::read_dir("/vm/images").unwrap() {
         let archive = archive.unwrap().path();
         ok(
