@@ -22,6 +22,7 @@ use nbd::sysfs::{ProvenDevice, Sysfs};
 use nbd::{BackendId, DeviceIndex, NbdUri};
 
 use crate::blockdev::{BlockdevError, UnreadableError};
+use crate::openers::UdevLock;
 
 #[cfg(test)]
 pub(crate) mod fake;
@@ -140,9 +141,10 @@ pub trait Tools: Send + Sync + 'static {
     fn thaw(&self, mount_point: &Path) -> Result<(), BlockdevError>;
     /// Whether the device reads its last 4 KiB of `size` (see [`crate::blockdev::serves_size`]).
     fn serves_size(&self, dev: &Path, size: u64) -> Result<bool, UnreadableError>;
-    /// Waits until nothing but this daemon has the device open and udev has no event queued
-    /// (see [`crate::openers::wait_unused`]); the holders left at the deadline otherwise.
-    fn wait_unused(&self, dev: &Path, within: Duration) -> Result<(), Vec<String>>;
+    /// Waits until nothing but this daemon has the device open and udev has no event queued,
+    /// then holds the device's lock that keeps udev's probes off it (see
+    /// [`crate::openers::wait_unused`]); the holders left at the deadline otherwise.
+    fn wait_unused(&self, dev: &Path, within: Duration) -> Result<UdevLock, Vec<String>>;
 }
 
 /// What [`crate::node::Node`] reaches the host through.
@@ -333,7 +335,7 @@ impl Tools for HostTools {
         crate::blockdev::serves_size(dev, size)
     }
 
-    fn wait_unused(&self, dev: &Path, within: Duration) -> Result<(), Vec<String>> {
+    fn wait_unused(&self, dev: &Path, within: Duration) -> Result<UdevLock, Vec<String>> {
         crate::openers::wait_unused(dev, within)
     }
 }

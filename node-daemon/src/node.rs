@@ -20,6 +20,7 @@ use crate::journal::Journal;
 use crate::kernel::{Host, Kernel, Mounts, Tools};
 use crate::locks::VolumeLocks;
 use crate::metrics::Metrics;
+use crate::openers::UdevLock;
 use crate::record::{Export, Record, TcpConnection};
 use crate::stage_tls::{StageTls, StageTlsStore};
 
@@ -344,13 +345,17 @@ impl Node {
     /// DISCONNECT of `volume`'s device, marked as detaching and proven again under the link
     /// lock so the healer can neither race it nor reconnect the device afterwards; then waits
     /// until the kernel has let the device go. The caller has unmounted and flushed:
-    /// DISCONNECT fails I/O in flight.
+    /// DISCONNECT fails I/O in flight. `udev_lock` is held until the DISCONNECT is sent: the
+    /// kernel lets the device go only once it is dropped (it holds the device open).
     pub(crate) async fn disconnect(
         &self,
         volume: &str,
         device: &ProvenDevice,
+        udev_lock: UdevLock,
     ) -> Result<(), NodeError> {
-        let device = self.disconnect_only(volume, device).await?;
+        let sent = self.disconnect_only(volume, device).await;
+        drop(udev_lock);
+        let device = sent?;
         self.kernel
             .wait_released(device.index(), RELEASE_TIMEOUT)
             .await?;

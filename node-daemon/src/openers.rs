@@ -6,13 +6,24 @@
 //! device after writing, udev's watch answers with a "change" event, and the event's blkid
 //! probe was still reading the device when the DISCONNECT went out: the kernel logged I/O
 //! errors on the real node.
+//!
+//! An empty queue is not enough: udevd turns the close into its "change" event only when it gets
+//! to the inotify event, which under load came after the DISCONNECT (6.12, two guests on two
+//! cores). So the daemon also takes the device's BSD lock, exclusively, and holds it across the
+//! DISCONNECT: udevd takes that lock, shared, for the rules and probes of a block device's event,
+//! and postpones an event it cannot lock (systemd.io/BLOCK_DEVICE_LOCKING). The lock is released
+//! after the DISCONNECT, and the close that releases it drops the device's last reference, so
+//! a postponed probe finds a device of size 0 and reads nothing.
 
 use std::collections::BTreeMap;
+use std::fs::File;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use nbd::DeviceIndex;
+use nix::errno::Errno;
+use nix::fcntl::{Flock, FlockArg};
 
 /// Exists while udev's event queue is not empty (what `udevadm settle` waits for).
 const UDEV_QUEUE: &str = "/run/udev/queue";
@@ -102,28 +113,51 @@ fn holders_by(
     out
 }
 
-/// Waits, for at most `within`, until udev has no event queued and no process but this one
-/// has the block device `device` open. `Err` names the holders left at the deadline. A queue
-/// busy past the deadline (other devices' events) is not waited out: only holders of this
-/// device stop it.
-pub(crate) fn wait_unused(device: &Path, within: Duration) -> Result<(), Vec<String>> {
+/// The device's BSD lock, held exclusively: udev postpones the device's events while it is
+/// held. Released when dropped.
+pub type UdevLock = Option<Flock<File>>;
+
+/// Waits, for at most `within`, until udev has no event queued, no process but this one has
+/// the block device `device` open and this one holds its BSD lock exclusively (udev holds it
+/// shared while it probes). `Err` names the holders left at the deadline. A queue busy past
+/// the deadline (other devices' events) is not waited out: only holders of this device stop it.
+pub(crate) fn wait_unused(device: &Path, within: Duration) -> Result<UdevLock, Vec<String>> {
     let until = Instant::now() + within;
     while Path::new(UDEV_QUEUE).exists() && Instant::now() < until {
         std::thread::sleep(POLL);
     }
     // No device node: nothing can have it open through /dev, and the kernel has let it go.
     let Ok(rdev) = std::fs::metadata(device).map(|m| m.rdev()) else {
-        return Ok(());
+        return Ok(None);
     };
     loop {
         let left = holders(|m| m.file_type().is_block_device() && m.rdev() == rdev);
         if left.is_empty() {
-            return Ok(());
-        }
-        if Instant::now() >= until {
+            match lock_exclusively(device) {
+                Ok(lock) => return Ok(lock),
+                // Someone probes it right now (udev's worker holds the lock shared).
+                Err(()) if Instant::now() < until => {}
+                Err(()) => return Err(vec![format!("a BSD lock on {}", device.display())]),
+            }
+        } else if Instant::now() >= until {
             return Err(left);
         }
         std::thread::sleep(POLL);
+    }
+}
+
+/// The device's BSD lock, exclusively, without waiting: `Err` while another process holds it.
+/// A device that cannot be opened (gone, or not a device this kernel serves) has nothing to
+/// lock, and nothing udev could probe.
+fn lock_exclusively(device: &Path) -> Result<UdevLock, ()> {
+    let Ok(file) = File::open(device) else {
+        return Ok(None);
+    };
+    match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+        Ok(lock) => Ok(Some(lock)),
+        Err((_, Errno::EWOULDBLOCK)) => Err(()),
+        // A lock this kernel refuses to take (not EWOULDBLOCK) is one udev cannot take either.
+        Err(_) => Ok(None),
     }
 }
 
@@ -203,9 +237,34 @@ mod tests {
     /// A path that is no device node (it does not exist): nothing to wait for.
     #[test]
     fn a_missing_device_node_is_unused() {
-        assert_eq!(
+        assert!(matches!(
             wait_unused(Path::new("/dev/nbd-none-such"), Duration::ZERO),
-            Ok(())
-        );
+            Ok(None)
+        ));
+    }
+
+    /// While another open file holds the lock shared (as udev's worker does while it probes),
+    /// the exclusive lock is refused; once it is let go, taken; and while it is held, a shared
+    /// lock (udev's next probe) is refused.
+    #[test]
+    fn the_exclusive_lock_waits_out_a_probe_and_keeps_the_next_one_off() {
+        let dir = std::env::temp_dir().join(format!("openers-lock-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("device");
+        std::fs::write(&path, b"x").unwrap();
+
+        let probe = Flock::lock(File::open(&path).unwrap(), FlockArg::LockSharedNonblock)
+            .map_err(|(_, e)| e)
+            .unwrap();
+        assert!(lock_exclusively(&path).is_err());
+        drop(probe);
+
+        let ours = lock_exclusively(&path).unwrap();
+        assert!(ours.is_some());
+        let next = Flock::lock(File::open(&path).unwrap(), FlockArg::LockSharedNonblock);
+        assert!(matches!(next, Err((_, Errno::EWOULDBLOCK))));
+        drop(ours);
+        assert!(Flock::lock(File::open(&path).unwrap(), FlockArg::LockSharedNonblock).is_ok());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -21,6 +21,7 @@ use nbd::{DeviceIndex, NbdUri};
 use super::{Host, Kernel, Mounts, SendGate, Tools};
 use crate::blockdev::{BlockdevError, UnreadableError};
 use crate::error::NodeError;
+use crate::openers::UdevLock;
 
 /// The `nbd` block major.
 const NBD_MAJOR: u32 = 43;
@@ -315,9 +316,9 @@ impl Tools for FakeHost {
         Ok(true)
     }
 
-    fn wait_unused(&self, _dev: &Path, _within: Duration) -> Result<(), Vec<String>> {
+    fn wait_unused(&self, _dev: &Path, _within: Duration) -> Result<UdevLock, Vec<String>> {
         match lock(&self.opener).clone() {
-            None => Ok(()),
+            None => Ok(None),
             Some(holder) => Err(vec![holder]),
         }
     }

@@ -20,6 +20,7 @@ use crate::connections::tcp_pairs;
 use crate::error::NodeError;
 use crate::ids::{random_uuid, Identifier, VolumeId};
 use crate::node::{export_uri, off_runtime, Node};
+use crate::openers::UdevLock;
 use crate::record::{Access, AttachedWith, Export, Phase, Record, Target, TargetPhase};
 use crate::request::Capability;
 use crate::service::codes::{answer, Rpc, Then};
@@ -835,9 +836,10 @@ impl Node {
                 let tools = Arc::clone(&self.tools);
                 off_runtime("flush", move || Ok(tools.flush(&dev)?)).await?;
             }
-            self.wait_unused(&record, &device).await?;
+            let udev_lock = self.wait_unused(&record, &device).await?;
             crate::failpoints::pause("unstage-before-disconnect").await;
-            self.disconnect(&record.volume_id, &device).await?;
+            self.disconnect(&record.volume_id, &device, udev_lock)
+                .await?;
             tracing::info!(volume = %record.volume_id, device = %device.index(), "detached");
         }
         fail::fail_point!("unstage-after-disconnect");
@@ -846,7 +848,11 @@ impl Node {
 
     /// DISCONNECT fails every request in flight, whoever sent it: wait until nothing but this
     /// daemon has the device open and udev's probes are done (see `openers.rs`).
-    async fn wait_unused(&self, record: &Record, device: &ProvenDevice) -> Result<(), NodeError> {
+    async fn wait_unused(
+        &self,
+        record: &Record,
+        device: &ProvenDevice,
+    ) -> Result<UdevLock, NodeError> {
         let dev = self.kernel.dev_path(device.index());
         let tools = Arc::clone(&self.tools);
         let waited = off_runtime("wait for other users to close", move || {
