@@ -517,16 +517,21 @@ fn our_mounts() -> Vec<String> {
         .collect()
 }
 
-/// kubelet's stats summary (read-only port): the capacity it reports for a pod's claim.
-fn summary_capacity(pod: &str, claim: &str) -> Option<u64> {
-    let mut stream = std::net::TcpStream::connect("127.0.0.1:10255").ok()?;
+/// The body of a plain HTTP GET on this node (kubelet's read-only port, the daemon's metrics).
+fn http_get(address: &str, path: &str) -> Option<String> {
+    let mut stream = std::net::TcpStream::connect(address).ok()?;
     stream
-        .write_all(b"GET /stats/summary HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        .write_all(format!("GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").as_bytes())
         .ok()?;
     let mut response = String::new();
     stream.read_to_string(&mut response).ok()?;
-    let body = response.split_once("\r\n\r\n")?.1;
-    let summary: serde_json::Value = serde_json::from_str(body).ok()?;
+    Some(response.split_once("\r\n\r\n")?.1.to_owned())
+}
+
+/// kubelet's stats summary (read-only port): the capacity it reports for a pod's claim.
+fn summary_capacity(pod: &str, claim: &str) -> Option<u64> {
+    let body = http_get("127.0.0.1:10255", "/stats/summary")?;
+    let summary: serde_json::Value = serde_json::from_str(&body).ok()?;
     summary["pods"]
         .as_array()?
         .iter()
@@ -1392,6 +1397,75 @@ fn percentile(sorted: &[Duration], p: usize) -> Duration {
     sorted[rank.clamp(1, sorted.len()) - 1]
 }
 
+/// A histogram's running (sum of seconds, count) over the series whose labels contain
+/// `labels`, from Prometheus text at `address`.
+fn histogram_totals(address: &str, metric: &str, labels: &str) -> (f64, f64) {
+    let text = http_get(address, "/metrics").unwrap_or_default();
+    let total = |suffix: &str| -> f64 {
+        text.lines()
+            .filter(|l| l.starts_with(&format!("{metric}{suffix}{{")) && l.contains(labels))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    (total("_sum"), total("_count"))
+}
+
+/// Where a half of the benchmark spent its time on the node: the mean of our daemon's
+/// NodeStage and NodePublish, and of kubelet's pod start (seen → Running), over that half.
+struct NodeTimes(Vec<(&'static str, (f64, f64))>);
+
+impl NodeTimes {
+    const SERIES: [(&'static str, &'static str, &'static str, &'static str); 3] = [
+        (
+            "our NodeStage",
+            "127.0.0.1:9809",
+            "ustor_csi_node_request_duration_seconds",
+            "method=\"NodeStageVolume\"",
+        ),
+        (
+            "our NodePublish",
+            "127.0.0.1:9809",
+            "ustor_csi_node_request_duration_seconds",
+            "method=\"NodePublishVolume\"",
+        ),
+        (
+            "kubelet pod start",
+            "127.0.0.1:10255",
+            "kubelet_pod_start_duration_seconds",
+            "",
+        ),
+    ];
+
+    fn now() -> Self {
+        Self(
+            Self::SERIES
+                .iter()
+                .map(|(name, address, metric, labels)| {
+                    (*name, histogram_totals(address, metric, labels))
+                })
+                .collect(),
+        )
+    }
+
+    /// Each series' mean over the calls made since `before`.
+    fn report_since(&self, before: &Self, what: &str) {
+        let means: Vec<String> = self
+            .0
+            .iter()
+            .zip(&before.0)
+            .map(|((name, (sum, n)), (_, (sum0, n0)))| {
+                let calls = n - n0;
+                if calls > 0.0 {
+                    format!("{name} mean={:.1}s (n={calls})", (sum - sum0) / calls)
+                } else {
+                    format!("{name}: no calls")
+                }
+            })
+            .collect();
+        eprintln!("LATENCY {what}, on the node: {}", means.join(", "));
+    }
+}
+
 fn report(what: &str, times: &mut [Duration]) {
     times.sort();
     eprintln!(
@@ -1414,6 +1488,7 @@ async fn kubelet_latency_of_claims_to_running_pods() {
     let (controller, _sidecars) = controller_up(&[]).await;
 
     let mut one_by_one = Vec::new();
+    let before = NodeTimes::now();
     for i in 0..LATENCY_PODS {
         let name = format!("serial-{i}");
         let started = Instant::now();
@@ -1430,12 +1505,14 @@ async fn kubelet_latency_of_claims_to_running_pods() {
         one_by_one.push(started.elapsed());
     }
     report("one after another", &mut one_by_one);
+    NodeTimes::now().report_since(&before, "one after another");
 
     let names: Vec<String> = (0..LATENCY_PODS).map(|i| format!("storm-{i}")).collect();
     let manifests: Vec<String> = names
         .iter()
         .map(|n| format!("{}---\n{}", claim_yaml(n, "32Mi"), holding_pod(n, n)))
         .collect();
+    let before = NodeTimes::now();
     let started = Instant::now();
     apply(&manifests.join("---\n"));
     let mut at_once = Vec::new();
@@ -1463,6 +1540,7 @@ async fn kubelet_latency_of_claims_to_running_pods() {
         "LATENCY {LATENCY_PODS} at once: all Running after {:.1}s",
         started.elapsed().as_secs_f64()
     );
+    NodeTimes::now().report_since(&before, &format!("{LATENCY_PODS} at once"));
 
     kubectl(&["delete", "pods", "--all", "--wait=true", "--timeout=600s"]);
     kubectl(&["delete", "pvc", "--all", "--wait=true", "--timeout=600s"]);
