@@ -1403,7 +1403,13 @@ fn histogram_totals(address: &str, metric: &str, labels: &str) -> (f64, f64) {
     let text = http_get(address, "/metrics").unwrap_or_default();
     let total = |suffix: &str| -> f64 {
         text.lines()
-            .filter(|l| l.starts_with(&format!("{metric}{suffix}{{")) && l.contains(labels))
+            .filter(|l| {
+                // A series with labels continues with '{', one without with its value.
+                let series = format!("{metric}{suffix}");
+                l.strip_prefix(&series)
+                    .is_some_and(|rest| rest.starts_with(['{', ' ']))
+                    && l.contains(labels)
+            })
             .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
             .sum()
     };
@@ -1412,7 +1418,11 @@ fn histogram_totals(address: &str, metric: &str, labels: &str) -> (f64, f64) {
 
 /// Where a half of the benchmark spent its time on the node: the mean of our daemon's
 /// NodeStage and NodePublish, and of kubelet's pod start (seen → Running), over that half.
-struct NodeTimes(Vec<(&'static str, (f64, f64))>);
+struct NodeTimes {
+    series: Vec<(&'static str, (f64, f64))>,
+    /// Whole seconds since the epoch, for the journal's `--since`.
+    at: u64,
+}
 
 impl NodeTimes {
     const SERIES: [(&'static str, &'static str, &'static str, &'static str); 3] = [
@@ -1437,22 +1447,62 @@ impl NodeTimes {
     ];
 
     fn now() -> Self {
-        Self(
-            Self::SERIES
+        let at = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
+        let series = Self::SERIES
+            .iter()
+            .map(|(name, address, metric, labels)| {
+                (*name, histogram_totals(address, metric, labels))
+            })
+            .collect();
+        Self { series, at }
+    }
+
+    /// The mean of each step of our "staged" lines (journal fields ATTACH_MS and so on)
+    /// logged since `since`.
+    fn stage_steps_since(since: u64) -> String {
+        let (_, journal) = run(
+            "journalctl",
+            &[
+                "-u",
+                UNIT,
+                "MESSAGE=staged",
+                "--since",
+                &format!("@{since}"),
+                "-o",
+                "json",
+                "--no-pager",
+            ],
+        );
+        let entries: Vec<serde_json::Value> = journal
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect();
+        let mean = |field: &str| -> f64 {
+            let sum: f64 = entries
                 .iter()
-                .map(|(name, address, metric, labels)| {
-                    (*name, histogram_totals(address, metric, labels))
-                })
-                .collect(),
+                .filter_map(|e| e[field].as_str()?.parse::<f64>().ok())
+                .sum();
+            sum / entries.len().max(1) as f64 / 1000.0
+        };
+        format!(
+            "its steps (n={}): attach={:.1}s probe={:.1}s format={:.1}s mount={:.1}s",
+            entries.len(),
+            mean("ATTACH_MS"),
+            mean("PROBE_MS"),
+            mean("FORMAT_MS"),
+            mean("MOUNT_MS")
         )
     }
 
     /// Each series' mean over the calls made since `before`.
     fn report_since(&self, before: &Self, what: &str) {
-        let means: Vec<String> = self
-            .0
+        let mut means: Vec<String> = self
+            .series
             .iter()
-            .zip(&before.0)
+            .zip(&before.series)
             .map(|((name, (sum, n)), (_, (sum0, n0)))| {
                 let calls = n - n0;
                 if calls > 0.0 {
@@ -1462,6 +1512,7 @@ impl NodeTimes {
                 }
             })
             .collect();
+        means.insert(1, Self::stage_steps_since(before.at));
         eprintln!("LATENCY {what}, on the node: {}", means.join(", "));
     }
 }
