@@ -19,6 +19,7 @@ use nbd::DeviceIndex;
 use crate::connections::tcp_pairs;
 use crate::error::NodeError;
 use crate::ids::{random_uuid, Identifier, VolumeId};
+use crate::kernel::Tools;
 use crate::node::{export_uri, off_runtime, Node};
 use crate::openers::UdevLock;
 use crate::record::{Access, AttachedWith, Export, Phase, Record, Target, TargetPhase};
@@ -446,6 +447,9 @@ impl Node {
         // An expansion whose device was lost (a reboot) is finished once staged again.
         let mut grow_to = None;
         let mut took = StepTimes::default();
+        // What this call itself just did, which the next step need not check again: the
+        // probe's proof that the device is blank, and a format at the device's full size.
+        let (mut proven_blank, mut formatted) = (false, false);
         for _ in 0..MAX_STEPS {
             let device = if matches!(
                 record.phase(),
@@ -480,21 +484,35 @@ impl Node {
                             &volume,
                         ))?
                 }
-                Phase::Attached => self
-                    .step_probe(&mut record)
+                Phase::Attached => {
+                    let next = self
+                        .step_probe(&mut record)
+                        .await
+                        .map_err(StageError::step(
+                            |volume, source| StageError::Probe { volume, source },
+                            &volume,
+                        ))?;
+                    proven_blank = next == Phase::Formatting;
+                    next
+                }
+                Phase::Formatting => {
+                    let next = self
+                        .step_format(&record, std::mem::take(&mut proven_blank))
+                        .await
+                        .map_err(StageError::step(
+                            |volume, source| StageError::Format { volume, source },
+                            &volume,
+                        ))?;
+                    formatted = next == Phase::Mounting;
+                    next
+                }
+                Phase::Mounting => self
+                    .step_mount(&record, std::mem::take(&mut formatted))
                     .await
                     .map_err(StageError::step(
-                        |volume, source| StageError::Probe { volume, source },
+                        |volume, source| StageError::Mount { volume, source },
                         &volume,
                     ))?,
-                Phase::Formatting => self.step_format(&record).await.map_err(StageError::step(
-                    |volume, source| StageError::Format { volume, source },
-                    &volume,
-                ))?,
-                Phase::Mounting => self.step_mount(&record).await.map_err(StageError::step(
-                    |volume, source| StageError::Mount { volume, source },
-                    &volume,
-                ))?,
                 Phase::Expanding { .. } => {
                     // The volume is staged whatever becomes of its expansion: one that fails
                     // here leaves it at its device's size, for the CO's next NodeExpand.
@@ -698,8 +716,10 @@ impl Node {
     /// mkfs with the journaled UUID. Reached only for a device found blank; after a crash
     /// mid-mkfs the format is redone only if the filesystem there carries exactly our UUID.
     /// Any other filesystem appeared since (the volume was used elsewhere meanwhile) and may
-    /// hold data: refused.
-    async fn step_format(&self, record: &Record) -> Result<Phase, NodeError> {
+    /// hold data: refused. `proven_blank`: this call's probe has just read the device's
+    /// edges and found it blank, so it is not probed twice (mkfs's own check still runs); a
+    /// format resumed by a later call or after a restart always probes first.
+    async fn step_format(&self, record: &Record, proven_blank: bool) -> Result<Phase, NodeError> {
         let Access::Mount { fs, .. } = &record.access else {
             return Ok(Phase::Staged);
         };
@@ -712,14 +732,13 @@ impl Node {
         let volume = record.volume_id.to_string();
         fail::fail_point!("stage-before-mkfs");
         let tools = Arc::clone(&self.tools);
-        off_runtime("mkfs", move || match tools.probe(&dev)? {
-            Probe::Blank => Ok(tools.make_filesystem(&dev, fs, &uuid)?),
-            Probe::Filesystem(found) if found == fs.name() => tools
-                .redo_interrupted_format(&dev, fs, &uuid)
-                .map_err(|source| StageError::FormatAgain { volume, source }.into()),
-            Probe::Filesystem(found) | Probe::Other(found) => {
-                Err(StageError::FilesystemAppeared { volume, found }.into())
-            }
+        off_runtime("mkfs", move || {
+            let found = if proven_blank {
+                Probe::Blank
+            } else {
+                tools.probe(&dev)?
+            };
+            format_after(&*tools, &dev, found, fs, &uuid, volume)
         })
         .await?;
         fail::fail_point!("stage-after-mkfs");
@@ -727,8 +746,9 @@ impl Node {
     }
 
     /// Mounts the filesystem at the staging path (if not already there) and grows it to the
-    /// device: a volume restored into a larger one gets its space here.
-    async fn step_mount(&self, record: &Record) -> Result<Phase, NodeError> {
+    /// device: a volume restored into a larger one gets its space here. `formatted`: this
+    /// call has just made the filesystem at the device's size, so there is nothing to grow.
+    async fn step_mount(&self, record: &Record, formatted: bool) -> Result<Phase, NodeError> {
         let Access::Mount { fs, .. } = &record.access else {
             return Ok(Phase::Staged);
         };
@@ -736,7 +756,7 @@ impl Node {
         let device = self.require_device(record)?;
         self.mount_staging(record, device).await?;
         fail::fail_point!("stage-after-mount");
-        if !record.mode.read_only() {
+        if !record.mode.read_only() && !formatted {
             let dev = self.kernel.dev_path(device);
             let staging = staging_path(record)?.to_owned();
             let tools = Arc::clone(&self.tools);
@@ -998,6 +1018,27 @@ impl Node {
     }
 }
 
+/// The format decision on what the probe found: mkfs on a blank device, a redo of our own
+/// interrupted format, a refusal for anything else.
+fn format_after(
+    tools: &dyn Tools,
+    dev: &Path,
+    found: Probe,
+    fs: Filesystem,
+    uuid: &str,
+    volume: String,
+) -> Result<(), NodeError> {
+    match found {
+        Probe::Blank => Ok(tools.make_filesystem(dev, fs, uuid)?),
+        Probe::Filesystem(found) if found == fs.name() => tools
+            .redo_interrupted_format(dev, fs, uuid)
+            .map_err(|source| StageError::FormatAgain { volume, source }.into()),
+        Probe::Filesystem(found) | Probe::Other(found) => {
+            Err(StageError::FilesystemAppeared { volume, found }.into())
+        }
+    }
+}
+
 /// The kernel takes sizes in whole logical blocks: an export whose size is not a multiple of
 /// 512 bytes would be cut short or refused deep in CONNECT. Said plainly instead.
 fn check_export_size(volume: &str, size: u64) -> Result<(), NodeError> {
@@ -1084,30 +1125,30 @@ mod tests {
     async fn stage_decisions() {
         #[rustfmt::skip]
         const TABLE: &[Row] = &[
-        (Attaching, Proven, MOUNTED, "ok", "probe, probe, mkfs, grow", "Staged /dev/nbd1"),
-        (Attaching, Proven, UNMOUNTED, "ok", "probe, probe, mkfs, mount nbd1 /staging, grow", "Staged /dev/nbd1"),
-        (Attaching, Absent, MOUNTED, "ok", "unmount /staging, dial, attach /dev/nbd0, probe, probe, mkfs, mount nbd0 /staging, grow", "Staged /dev/nbd0"),
-        (Attaching, Absent, UNMOUNTED, "ok", "dial, attach /dev/nbd0, probe, probe, mkfs, mount nbd0 /staging, grow", "Staged /dev/nbd0"),
+        (Attaching, Proven, MOUNTED, "ok", "probe, mkfs", "Staged /dev/nbd1"),
+        (Attaching, Proven, UNMOUNTED, "ok", "probe, mkfs, mount nbd1 /staging", "Staged /dev/nbd1"),
+        (Attaching, Absent, MOUNTED, "ok", "unmount /staging, dial, attach /dev/nbd0, probe, mkfs, mount nbd0 /staging", "Staged /dev/nbd0"),
+        (Attaching, Absent, UNMOUNTED, "ok", "dial, attach /dev/nbd0, probe, mkfs, mount nbd0 /staging", "Staged /dev/nbd0"),
         (Attaching, Foreign, MOUNTED, "FailedPrecondition: /staging already has something else mounted on it", "", "none"),
-        (Attaching, Foreign, UNMOUNTED, "ok", "dial, attach /dev/nbd0, probe, probe, mkfs, mount nbd0 /staging, grow", "Staged /dev/nbd0"),
-        (Attaching, Moved, MOUNTED, "ok", "probe, probe, mkfs, grow", "Staged /dev/nbd3"),
-        (Attaching, Moved, UNMOUNTED, "ok", "probe, probe, mkfs, mount nbd3 /staging, grow", "Staged /dev/nbd3"),
-        (Attached, Proven, MOUNTED, "ok", "probe, probe, mkfs, grow", "Staged /dev/nbd1"),
-        (Attached, Proven, UNMOUNTED, "ok", "probe, probe, mkfs, mount nbd1 /staging, grow", "Staged /dev/nbd1"),
-        (Attached, Absent, MOUNTED, "ok", "unmount /staging, dial, attach /dev/nbd0, probe, probe, mkfs, mount nbd0 /staging, grow", "Staged /dev/nbd0"),
-        (Attached, Absent, UNMOUNTED, "ok", "dial, attach /dev/nbd0, probe, probe, mkfs, mount nbd0 /staging, grow", "Staged /dev/nbd0"),
+        (Attaching, Foreign, UNMOUNTED, "ok", "dial, attach /dev/nbd0, probe, mkfs, mount nbd0 /staging", "Staged /dev/nbd0"),
+        (Attaching, Moved, MOUNTED, "ok", "probe, mkfs", "Staged /dev/nbd3"),
+        (Attaching, Moved, UNMOUNTED, "ok", "probe, mkfs, mount nbd3 /staging", "Staged /dev/nbd3"),
+        (Attached, Proven, MOUNTED, "ok", "probe, mkfs", "Staged /dev/nbd1"),
+        (Attached, Proven, UNMOUNTED, "ok", "probe, mkfs, mount nbd1 /staging", "Staged /dev/nbd1"),
+        (Attached, Absent, MOUNTED, "ok", "unmount /staging, dial, attach /dev/nbd0, probe, mkfs, mount nbd0 /staging", "Staged /dev/nbd0"),
+        (Attached, Absent, UNMOUNTED, "ok", "dial, attach /dev/nbd0, probe, mkfs, mount nbd0 /staging", "Staged /dev/nbd0"),
         (Attached, Foreign, MOUNTED, "FailedPrecondition: /staging already has something else mounted on it", "", "none"),
-        (Attached, Foreign, UNMOUNTED, "ok", "dial, attach /dev/nbd0, probe, probe, mkfs, mount nbd0 /staging, grow", "Staged /dev/nbd0"),
-        (Attached, Moved, MOUNTED, "ok", "probe, probe, mkfs, grow", "Staged /dev/nbd3"),
-        (Attached, Moved, UNMOUNTED, "ok", "probe, probe, mkfs, mount nbd3 /staging, grow", "Staged /dev/nbd3"),
-        (Formatting, Proven, MOUNTED, "ok", "probe, mkfs, grow", "Staged /dev/nbd1"),
-        (Formatting, Proven, UNMOUNTED, "ok", "probe, mkfs, mount nbd1 /staging, grow", "Staged /dev/nbd1"),
-        (Formatting, Absent, MOUNTED, "ok", "unmount /staging, dial, attach /dev/nbd0, probe, probe, mkfs, mount nbd0 /staging, grow", "Staged /dev/nbd0"),
-        (Formatting, Absent, UNMOUNTED, "ok", "dial, attach /dev/nbd0, probe, probe, mkfs, mount nbd0 /staging, grow", "Staged /dev/nbd0"),
+        (Attached, Foreign, UNMOUNTED, "ok", "dial, attach /dev/nbd0, probe, mkfs, mount nbd0 /staging", "Staged /dev/nbd0"),
+        (Attached, Moved, MOUNTED, "ok", "probe, mkfs", "Staged /dev/nbd3"),
+        (Attached, Moved, UNMOUNTED, "ok", "probe, mkfs, mount nbd3 /staging", "Staged /dev/nbd3"),
+        (Formatting, Proven, MOUNTED, "ok", "probe, mkfs", "Staged /dev/nbd1"),
+        (Formatting, Proven, UNMOUNTED, "ok", "probe, mkfs, mount nbd1 /staging", "Staged /dev/nbd1"),
+        (Formatting, Absent, MOUNTED, "ok", "unmount /staging, dial, attach /dev/nbd0, probe, mkfs, mount nbd0 /staging", "Staged /dev/nbd0"),
+        (Formatting, Absent, UNMOUNTED, "ok", "dial, attach /dev/nbd0, probe, mkfs, mount nbd0 /staging", "Staged /dev/nbd0"),
         (Formatting, Foreign, MOUNTED, "FailedPrecondition: /staging already has something else mounted on it", "", "none"),
-        (Formatting, Foreign, UNMOUNTED, "ok", "dial, attach /dev/nbd0, probe, probe, mkfs, mount nbd0 /staging, grow", "Staged /dev/nbd0"),
-        (Formatting, Moved, MOUNTED, "ok", "probe, mkfs, grow", "Staged /dev/nbd3"),
-        (Formatting, Moved, UNMOUNTED, "ok", "probe, mkfs, mount nbd3 /staging, grow", "Staged /dev/nbd3"),
+        (Formatting, Foreign, UNMOUNTED, "ok", "dial, attach /dev/nbd0, probe, mkfs, mount nbd0 /staging", "Staged /dev/nbd0"),
+        (Formatting, Moved, MOUNTED, "ok", "probe, mkfs", "Staged /dev/nbd3"),
+        (Formatting, Moved, UNMOUNTED, "ok", "probe, mkfs, mount nbd3 /staging", "Staged /dev/nbd3"),
         (Mounting, Proven, MOUNTED, "ok", "grow", "Staged /dev/nbd1"),
         (Mounting, Proven, UNMOUNTED, "ok", "mount nbd1 /staging, grow", "Staged /dev/nbd1"),
         (Mounting, Absent, MOUNTED, "ok", "unmount /staging, dial, attach /dev/nbd0, probe, mount nbd0 /staging, grow", "Staged /dev/nbd0"),
