@@ -1402,10 +1402,10 @@ fn percentile(sorted: &[Duration], p: usize) -> Duration {
 fn histogram_totals(address: &str, metric: &str, labels: &str) -> (f64, f64) {
     let text = http_get(address, "/metrics").unwrap_or_default();
     let total = |suffix: &str| -> f64 {
+        let series = format!("{metric}{suffix}");
         text.lines()
             .filter(|l| {
                 // A series with labels continues with '{', one without with its value.
-                let series = format!("{metric}{suffix}");
                 l.strip_prefix(&series)
                     .is_some_and(|rest| rest.starts_with(['{', ' ']))
                     && l.contains(labels)

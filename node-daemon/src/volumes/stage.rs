@@ -447,9 +447,9 @@ impl Node {
         // An expansion whose device was lost (a reboot) is finished once staged again.
         let mut grow_to = None;
         let mut took = StepTimes::default();
-        // What this call itself just did, which the next step need not check again: the
-        // probe's proof that the device is blank, and a format at the device's full size.
-        let (mut proven_blank, mut formatted) = (false, false);
+        // The step this call ran last: what it proved need not be checked again by the next
+        // (a probe that found the device blank, a format at the device's full size).
+        let mut previous: Option<Phase> = None;
         for _ in 0..MAX_STEPS {
             let device = if matches!(
                 record.phase(),
@@ -484,30 +484,24 @@ impl Node {
                             &volume,
                         ))?
                 }
-                Phase::Attached => {
-                    let next = self
-                        .step_probe(&mut record)
-                        .await
-                        .map_err(StageError::step(
-                            |volume, source| StageError::Probe { volume, source },
-                            &volume,
-                        ))?;
-                    proven_blank = next == Phase::Formatting;
-                    next
-                }
-                Phase::Formatting => {
-                    let next = self
-                        .step_format(&record, std::mem::take(&mut proven_blank))
-                        .await
-                        .map_err(StageError::step(
-                            |volume, source| StageError::Format { volume, source },
-                            &volume,
-                        ))?;
-                    formatted = next == Phase::Mounting;
-                    next
-                }
+                Phase::Attached => self
+                    .step_probe(&mut record)
+                    .await
+                    .map_err(StageError::step(
+                        |volume, source| StageError::Probe { volume, source },
+                        &volume,
+                    ))?,
+                // Formatting right after this call's probe: the probe found the device blank.
+                Phase::Formatting => self
+                    .step_format(&record, previous == Some(Phase::Attached))
+                    .await
+                    .map_err(StageError::step(
+                        |volume, source| StageError::Format { volume, source },
+                        &volume,
+                    ))?,
+                // Mounting right after this call's format: mkfs just ran.
                 Phase::Mounting => self
-                    .step_mount(&record, std::mem::take(&mut formatted))
+                    .step_mount(&record, previous == Some(Phase::Formatting))
                     .await
                     .map_err(StageError::step(
                         |volume, source| StageError::Mount { volume, source },
@@ -543,6 +537,7 @@ impl Node {
             };
             self.advance(&mut record, next)?;
             took.add(&step, began.elapsed());
+            previous = Some(step);
         }
         Err(StageError::DidNotSettle {
             volume: record.volume_id.to_string(),
