@@ -111,14 +111,21 @@ fn percentile(sorted: &[Duration], p: usize) -> Duration {
     sorted[(sorted.len() * p / 100).min(sorted.len() - 1)]
 }
 
-fn storm_line(what: &str, mut calls: Vec<Duration>, wall: Duration) {
+/// One storm's line. `ends` are the calls' completions, counted from the storm's start: the
+/// kernel takes one CONNECT at a time, so how far apart they come shows that queue, the floor
+/// of any client's storm.
+fn storm_line(what: &str, mut calls: Vec<Duration>, mut ends: Vec<Duration>, wall: Duration) {
     calls.sort();
+    ends.sort();
+    let spread = *ends.last().unwrap() - ends[0];
     println!(
-        "  {what:<24}: wall {:8.1} ms; per call p50 {:7.1} ms, p95 {:7.1} ms, max {:7.1} ms",
+        "  {what:<24}: wall {:8.1} ms; per call p50 {:7.1} ms, p95 {:7.1} ms, max {:7.1} ms; \
+         a completion every {:5.1} ms",
         ms(wall),
         ms(percentile(&calls, 50)),
         ms(percentile(&calls, 95)),
-        ms(*calls.last().unwrap())
+        ms(*calls.last().unwrap()),
+        ms(spread) / (ends.len() - 1) as f64
     );
 }
 
@@ -145,7 +152,7 @@ async fn attach_storm(server: &NbdServer) {
                 ))
                 .await
                 .unwrap();
-                (id, path, t.elapsed())
+                (id, path, t.elapsed(), started.elapsed())
             })
         })
         .collect();
@@ -154,8 +161,9 @@ async fn attach_storm(server: &NbdServer) {
         staged.push(call.await.unwrap());
     }
     let node_wall = started.elapsed();
-    let node_calls: Vec<Duration> = staged.iter().map(|(_, _, d)| *d).collect();
-    for (id, path, _) in &staged {
+    let node_calls: Vec<Duration> = staged.iter().map(|(_, _, d, _)| *d).collect();
+    let node_ends: Vec<Duration> = staged.iter().map(|(_, _, _, end)| *end).collect();
+    for (id, path, _, _) in &staged {
         c.node
             .node_unstage_volume(unstage_request(id, path))
             .await
@@ -194,21 +202,23 @@ async fn attach_storm(server: &NbdServer) {
                     &["-b", "512"],
                     SIZE,
                 ));
-                t.elapsed()
+                (t.elapsed(), started.elapsed())
             })
         })
         .collect();
-    let mut client_calls = Vec::new();
+    let (mut client_calls, mut client_ends) = (Vec::new(), Vec::new());
     for a in attaches {
-        client_calls.push(a.await.unwrap());
+        let (call, end) = a.await.unwrap();
+        client_calls.push(call);
+        client_ends.push(end);
     }
     let client_wall = started.elapsed();
     for index in &free {
         testkit::nbd_client::detach(&sysfs, *index).await;
     }
     println!("attach storm, {STORM} at once (call to device ready):");
-    storm_line("NodeStageVolume (block)", node_calls, node_wall);
-    storm_line("nbd-client", client_calls, client_wall);
+    storm_line("NodeStageVolume (block)", node_calls, node_ends, node_wall);
+    storm_line("nbd-client", client_calls, client_ends, client_wall);
     println!(
         "  wall ratio NodeStage / nbd-client : {:.2}",
         ms(node_wall) / ms(client_wall)
