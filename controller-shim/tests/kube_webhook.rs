@@ -414,6 +414,14 @@ async fn moved_connection_error(connections: &Api<MindUstorStorageConnection>) -
     .to_string()
 }
 
+/// Whether the API server calls the webhook: it refuses to move the connection `main`.
+async fn reaches_webhook(connections: &Api<MindUstorStorageConnection>) -> Option<()> {
+    moved_connection_error(connections)
+        .await
+        .contains("cannot be changed")
+        .then_some(())
+}
+
 /// The certificate the webhook on `port` serves, checked against `ca_pem` (a TLS handshake as
 /// the API server makes one): its DER.
 async fn served_certificate(port: u16, ca_pem: &[u8]) -> Result<Vec<u8>, String> {
@@ -465,12 +473,7 @@ async fn the_controller_issues_and_renews_the_webhook_certificate_itself() {
     let _glue = Glue::start(client.clone(), issuing(port, "webhook-tls", validity));
     apply(&cluster, &connection_yaml("main"));
     let connections: Api<MindUstorStorageConnection> = Api::all(client.clone());
-    let webhook_answers = || async {
-        moved_connection_error(&connections)
-            .await
-            .contains("cannot be changed")
-            .then_some(())
-    };
+    let webhook_answers = || reaches_webhook(&connections);
     eventually(
         "the API server calls the webhook",
         Duration::from_secs(30),
@@ -517,6 +520,56 @@ async fn the_controller_issues_and_renews_the_webhook_certificate_itself() {
         webhook_answers,
     )
     .await;
+}
+
+/// Installing the driver creates the webhook configurations with no caBundle, often after the
+/// controller's first look (and so does deleting and applying them again): the controller
+/// watches them and trusts its CA there at once. Without the watch it would wait for its next
+/// look, a minute later, and meanwhile the API server could not call the webhook.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "kube: needs the test API server (tests/kube/run)"]
+async fn a_webhook_configuration_applied_after_the_start_is_trusted_at_once() {
+    let cluster = cluster_with_namespace();
+    let client = client(&cluster).await;
+    let port = testkit::free_port().unwrap();
+    // A long validity: nothing is due for renewal, so the next periodic look is a minute away.
+    let _glue = Glue::start(
+        client.clone(),
+        issuing(port, "webhook-tls", Duration::from_secs(3600)),
+    );
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), "d8-csi-mind-ustor");
+    eventually(
+        "the controller's Secret",
+        Duration::from_secs(30),
+        || async { secrets.get_opt("webhook-tls").await.ok().flatten() },
+    )
+    .await;
+    apply(&cluster, &connection_yaml("main"));
+    // Past the round that follows the Secret's creation (a second later): only the watch can
+    // trust the configuration now within the minute.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let base = format!("https://127.0.0.1:{port}");
+    let connections: Api<MindUstorStorageConnection> = Api::all(client.clone());
+    let webhook_answers = || reaches_webhook(&connections);
+    for what in ["created", "deleted and created again"] {
+        if what != "created" {
+            kubectl_ok(
+                &cluster,
+                &[
+                    "delete",
+                    "validatingwebhookconfiguration,mutatingwebhookconfiguration",
+                    "d8-csi-mind-ustor",
+                ],
+            );
+        }
+        apply(&cluster, &webhook_configuration(&base, b""));
+        eventually(
+            &format!("the API server calls the webhook (configuration {what})"),
+            Duration::from_secs(15),
+            webhook_answers,
+        )
+        .await;
+    }
 }
 
 /// The CA is replaced without the API server ever meeting a certificate its caBundle does

@@ -12,8 +12,7 @@ use std::sync::{Arc, RwLock};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::ByteString;
-use kube::runtime::watcher::{self, Event};
-use kube::runtime::WatchStreamExt;
+use kube::runtime::watcher::Event;
 use kube::{Api, Client};
 
 /// The Secret holding the key, in the driver's namespace.
@@ -103,8 +102,7 @@ fn unhex(text: &str) -> Option<Vec<u8>> {
 /// none (at the first start, or after an operator deleted it to change the key).
 pub async fn follow(client: Client, namespace: String, key: ControllerKey) {
     let api: Api<Secret> = Api::namespaced(client, &namespace);
-    let config = watcher::Config::default().fields(&format!("metadata.name={KEY_SECRET}"));
-    let stream = watcher::watcher(api.clone(), config).backoff(super::watch_backoff());
+    let stream = super::watch_named(api.clone(), KEY_SECRET);
     tokio::pin!(stream);
     let mut listed = false;
     while let Some(event) = stream.next().await {

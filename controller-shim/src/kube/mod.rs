@@ -301,6 +301,21 @@ where
         .collect()
 }
 
+/// The events of the one object `name` that `api` serves (a field selector, so that RBAC
+/// can grant the watch by resourceNames), retried with [`watch_backoff`].
+pub(crate) fn watch_named<K>(
+    api: Api<K>,
+    name: &str,
+) -> impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send
+where
+    K: kube::Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + 'static,
+    K::DynamicType: Default,
+{
+    use kube::runtime::WatchStreamExt;
+    let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
+    watcher::watcher(api, config).backoff(watch_backoff())
+}
+
 /// Pause between retries of the controller's watches. One back-off serves all of its
 /// watches, and each of them fails once more (410 Expired) when an API server comes back with
 /// a new watch cache: client-go's 30 s cap stacked so that the glue stayed blind for over a

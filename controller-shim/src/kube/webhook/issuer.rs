@@ -18,18 +18,21 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use futures::StreamExt;
 use k8s_openapi::api::admissionregistration::v1::{
     MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
 };
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::ByteString;
 use kube::api::{ObjectMeta, PostParams};
+use kube::runtime::WatchStreamExt;
 use kube::{Api, Client};
 use rcgen::{
     BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
     Issuer, KeyPair, KeyUsagePurpose,
 };
 use time::OffsetDateTime;
+use tokio::sync::Notify;
 
 const TLS_CRT: &str = "tls.crt";
 const TLS_KEY: &str = "tls.key";
@@ -127,15 +130,62 @@ pub async fn keep_issued(
     secret: String,
     settings: IssueSettings,
 ) {
-    loop {
-        let pause = match round(&client, &namespace, &secret, &settings).await {
-            Ok(next) => next,
-            Err(e) => {
-                tracing::warn!(error = %e, "webhook certificate: retrying");
-                RETRY_AFTER
+    let changed = Notify::new();
+    let issuing = async {
+        loop {
+            let pause = match round(&client, &namespace, &secret, &settings).await {
+                Ok(next) => next,
+                Err(e) => {
+                    tracing::warn!(error = %e, "webhook certificate: retrying");
+                    RETRY_AFTER
+                }
+            };
+            tokio::select! {
+                () = tokio::time::sleep(pause) => {}
+                () = changed.notified() => {}
             }
-        };
-        tokio::time::sleep(pause).await;
+        }
+    };
+    tokio::join!(
+        issuing,
+        watch_configuration::<ValidatingWebhookConfiguration>(
+            &client,
+            &settings.configuration,
+            &changed
+        ),
+        watch_configuration::<MutatingWebhookConfiguration>(
+            &client,
+            &settings.configuration,
+            &changed
+        ),
+    );
+}
+
+/// Wakes the issuing loop whenever the configuration `name` of kind `K` is created or changed.
+/// Installing the driver creates the configurations without a caBundle (and re-applying their
+/// manifest may empty it); until the next round fills it, their `Fail` webhook refuses the
+/// driver's resources, so the round comes at once instead of up to [`LOOK_EVERY`] later.
+/// A round that finds nothing to change writes nothing, so its own writes wake it once more
+/// and no further.
+async fn watch_configuration<K>(client: &Client, name: &str, changed: &Notify)
+where
+    K: kube::Resource<Scope = k8s_openapi::ClusterResourceScope, DynamicType = ()>
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + 'static,
+{
+    let api: Api<K> = Api::all(client.clone());
+    let stream = crate::kube::watch_named(api, name).applied_objects();
+    tokio::pin!(stream);
+    while let Some(event) = stream.next().await {
+        match event {
+            Ok(_) => changed.notify_one(),
+            Err(e) => {
+                tracing::warn!(kind = %K::kind(&()), configuration = name, error = %e, "webhook configuration: watch failed; retrying")
+            }
+        }
     }
 }
 

@@ -7,7 +7,7 @@ use std::sync::{Arc, RwLock};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Secret;
-use kube::runtime::{watcher, WatchStreamExt};
+use kube::runtime::WatchStreamExt;
 use kube::{Api, Client};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
@@ -46,10 +46,7 @@ impl CertSlot {
 /// Keeps `slot` loaded from the Secret `name` until aborted.
 pub async fn follow_secret(client: Client, namespace: String, name: String, slot: Arc<CertSlot>) {
     let api: Api<Secret> = Api::namespaced(client, &namespace);
-    let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
-    let stream = watcher(api, config)
-        .backoff(crate::kube::watch_backoff())
-        .applied_objects();
+    let stream = crate::kube::watch_named(api, &name).applied_objects();
     tokio::pin!(stream);
     while let Some(event) = stream.next().await {
         match event {
