@@ -14,13 +14,17 @@
 
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use testkit::command::{ok, run};
 use testkit::controller::ControllerProcess;
 use testkit::kube_cluster::Kubectl;
 use testkit::{kernel_io_error_lines, kernel_io_errors};
+
+#[path = "vm_kubelet/sidecars.rs"]
+mod sidecars;
+use sidecars::{Sidecars, Spec};
 
 const KUBECONFIG: &str = "/vm/kube/kubeconfig";
 const NODE: &str = "vm-node";
@@ -91,7 +95,7 @@ fn assert_no_new_io_errors(before: usize) {
 /// What a failure's report needs: the events, the objects, and the last lines of every
 /// component's log (the console shows only the kernel).
 fn diagnostics() -> String {
-    let mut text = String::new();
+    let mut text = sidecars::report();
     for args in [
         &[
             "get",
@@ -118,6 +122,8 @@ fn diagnostics() -> String {
         // Apart: before the snapshot CRDs are installed this one fails.
         &["get", "volumesnapshots,volumesnapshotcontents", "-o", "wide"][..],
         &["get", "events", "--sort-by=.lastTimestamp"][..],
+        // Who leads: a sidecar without its Lease does nothing.
+        &["get", "leases", "-n", "default"][..],
         // What each pod's script said when it ended (the block pods say why they failed).
         &[
             "get",
@@ -137,6 +143,17 @@ fn diagnostics() -> String {
             "--- kubectl {args:?}\n{}\n",
             out.unwrap_or_default()
         ));
+    }
+    if let Ok(entries) = std::fs::read_dir(LOGS) {
+        for entry in entries.flatten() {
+            let log = std::fs::read_to_string(entry.path()).unwrap_or_default();
+            let lines: Vec<&str> = log.lines().collect();
+            text.push_str(&format!(
+                "--- {}\n{}\n",
+                entry.path().display(),
+                lines[lines.len().saturating_sub(30)..].join("\n")
+            ));
+        }
     }
     for unit in ["kubelet", "containerd", UNIT] {
         let (_, log) = run(
@@ -162,18 +179,56 @@ fn diagnostics() -> String {
         );
         text.push_str(&format!("--- journal of {unit}, its end\n{log}\n"));
     }
-    if let Ok(entries) = std::fs::read_dir(LOGS) {
-        for entry in entries.flatten() {
-            let log = std::fs::read_to_string(entry.path()).unwrap_or_default();
-            let lines: Vec<&str> = log.lines().collect();
-            text.push_str(&format!(
-                "--- {}\n{}\n",
-                entry.path().display(),
-                lines[lines.len().saturating_sub(30)..].join("\n")
-            ));
-        }
-    }
     text
+}
+
+/// Removes what a failed scenario left in the cluster, so that the next scenario starts clean:
+/// its webhook configuration would name a controller that is gone and refuse every later claim,
+/// and its claims would wait for the next controller. Declared after the controller and the
+/// sidecars, it is dropped before them, while they can still delete the volumes. A scenario
+/// that passes cleans up itself; then this does nothing.
+struct CleanUpAfterFailure;
+
+impl Drop for CleanUpAfterFailure {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        eprintln!("the scenario failed: removing what it left in the cluster");
+        // Best effort, and never a panic: this runs while one unwinds.
+        let quietly = |args: &[&str]| {
+            let _ = kube().run(args);
+        };
+        quietly(&[
+            "delete",
+            "pods",
+            "--all",
+            "--force",
+            "--grace-period=0",
+            "--wait=false",
+        ]);
+        quietly(&["delete", "volumesnapshots", "--all", "--wait=false"]);
+        quietly(&["delete", "pvc", "--all", "--wait=false"]);
+        let started = Instant::now();
+        while started.elapsed() < Duration::from_secs(120) {
+            if kube()
+                .ok(&["get", "pv", "-o", "name"], None)
+                .is_ok_and(|names| names.trim().is_empty())
+            {
+                break;
+            }
+            std::thread::sleep(Duration::from_secs(1));
+        }
+        quietly(&[
+            "delete",
+            "-n",
+            DRIVER_NAMESPACE,
+            "deployment/csi-controller",
+            "--ignore-not-found",
+            "--wait=false",
+        ]);
+        remove_webhook_quietly();
+    }
 }
 
 /// The last 40 warning, error and fatal lines of a journal in klog's format (`E1204 …`) or
@@ -264,7 +319,9 @@ fn start_containerd() {
 
 /// kubelet as a systemd service (so that a test can restart it), with a configuration for a
 /// small test node: no image garbage collection (the images cannot be pulled again), eviction
-/// only when nearly full, volume stats every few seconds, the read-only port for the summary.
+/// only when nearly full, volume stats every few seconds, the read-only port for the summary,
+/// and pods synced every 10 s: kubelet 1.20 grows a mounted volume (online expansion) when it
+/// next syncs its pod, a minute apart by default, and the scenarios wait for three of them.
 fn start_kubelet() {
     std::fs::create_dir_all("/var/lib/kubelet").unwrap();
     std::fs::write(
@@ -281,6 +338,7 @@ fn start_kubelet() {
          evictionHard:\n  memory.available: 20Mi\n  nodefs.available: 1%\n  imagefs.available: 1%\n\
          \x20 nodefs.inodesFree: 1%\n\
          volumeStatsAggPeriod: 5s\n\
+         syncFrequency: 10s\n\
          runtimeRequestTimeout: 10m\n\
          resolvConf: /etc/resolv.conf\n",
     )
@@ -326,89 +384,111 @@ fn install_node_service() {
 
 // --- the controller side: our controller and the sidecars, with deploy/'s flags ----------
 
-/// The sidecars as host processes, each with its log in `LOGS`; killed when dropped.
-struct Sidecars(Vec<Child>);
+/// deploy/base/controller.yaml's arguments (the snapshotter's from
+/// deploy/components/snapshotter), the HTTP endpoints on loopback; and the cluster's
+/// snapshot-controller, which talks to no driver. Each with the Lease it holds while it leads
+/// (in `default`: no in-cluster namespace here).
+const SIDECARS: &[Spec] = &[
+    Spec {
+        name: "csi-provisioner",
+        speaks_csi: true,
+        args: &[
+            "--leader-election",
+            "--http-endpoint=127.0.0.1:8080",
+            "--feature-gates=Topology=true",
+            "--default-fstype=ext4",
+            "--timeout=300s",
+            "--extra-create-metadata",
+        ],
+        // The driver's name, made a valid object name (csi-lib-utils' sanitizeName).
+        lease: "ustor-nbd-csi-mindsw-io",
+    },
+    Spec {
+        name: "csi-attacher",
+        speaks_csi: true,
+        args: &[
+            "--leader-election",
+            "--http-endpoint=127.0.0.1:8081",
+            "--timeout=60s",
+        ],
+        lease: "external-attacher-leader-ustor-nbd-csi-mindsw-io",
+    },
+    Spec {
+        name: "csi-resizer",
+        speaks_csi: true,
+        args: &[
+            "--leader-election",
+            "--http-endpoint=127.0.0.1:8082",
+            // This cluster is 1.20, whose API has no allocatedResourceStatuses: with the gate
+            // on (its default from v1.13) the resizer keeps `Resizing` beside
+            // `FileSystemResizePending`, where 1.20's clients look for the latter alone.
+            "--feature-gates=RecoverVolumeExpansionFailure=false",
+        ],
+        lease: "external-resizer-ustor-nbd-csi-mindsw-io",
+    },
+    Spec {
+        name: "csi-snapshotter",
+        speaks_csi: true,
+        args: &["--leader-election", "--http-endpoint=127.0.0.1:8083"],
+        lease: "external-snapshotter-leader-ustor-nbd-csi-mindsw-io",
+    },
+    Spec {
+        name: "snapshot-controller",
+        speaks_csi: false,
+        args: &["--leader-election", "--http-endpoint=127.0.0.1:8084"],
+        lease: "snapshot-controller-leader",
+    },
+];
 
-impl Sidecars {
-    fn start(socket: &Path) -> Self {
-        std::fs::create_dir_all(LOGS).unwrap();
-        let csi = format!("--csi-address={}", socket.display());
-        let kubeconfig = format!("--kubeconfig={KUBECONFIG}");
-        // deploy/base/controller.yaml's arguments (the snapshotter's from
-        // deploy/components/snapshotter), the HTTP endpoints on loopback; and the cluster's
-        // snapshot-controller, which talks to no driver.
-        let sidecars: [(&str, bool, &[&str]); 5] = [
-            (
-                "csi-provisioner",
-                true,
-                &[
-                    "--leader-election",
-                    "--http-endpoint=127.0.0.1:8080",
-                    "--feature-gates=Topology=true",
-                    "--default-fstype=ext4",
-                    "--timeout=300s",
-                    "--extra-create-metadata",
-                ],
-            ),
-            (
-                "csi-attacher",
-                true,
-                &[
-                    "--leader-election",
-                    "--http-endpoint=127.0.0.1:8081",
-                    "--timeout=60s",
-                ],
-            ),
-            (
-                "csi-resizer",
-                true,
-                &[
-                    "--leader-election",
-                    "--http-endpoint=127.0.0.1:8082",
-                    // This cluster is 1.20, whose API has no allocatedResourceStatuses: with
-                    // the gate on (its default from v1.13) the resizer keeps `Resizing` beside
-                    // `FileSystemResizePending`, where 1.20's clients look for the latter alone.
-                    "--feature-gates=RecoverVolumeExpansionFailure=false",
-                ],
-            ),
-            (
-                "csi-snapshotter",
-                true,
-                &["--leader-election", "--http-endpoint=127.0.0.1:8083"],
-            ),
-            (
-                "snapshot-controller",
-                false,
-                &["--leader-election", "--http-endpoint=127.0.0.1:8084"],
-            ),
-        ];
-        let children = sidecars
-            .iter()
-            .map(|(name, speaks_csi, args)| {
-                let log =
-                    std::fs::File::create(Path::new(LOGS).join(format!("{name}.log"))).unwrap();
-                Command::new(name)
-                    .args(speaks_csi.then_some(&csi))
-                    .arg(&kubeconfig)
-                    .args(*args)
-                    .stdin(Stdio::null())
-                    .stdout(log.try_clone().unwrap())
-                    .stderr(log)
-                    .spawn()
-                    .unwrap_or_else(|e| panic!("{name}: {e}"))
-            })
-            .collect();
-        Self(children)
-    }
+/// Each Lease's renew time, by name.
+fn lease_renewals() -> std::collections::HashMap<String, String> {
+    kubectl(&[
+        "get",
+        "leases",
+        "-n",
+        "default",
+        "-o",
+        r#"jsonpath={range .items[*]}{.metadata.name}={.spec.renewTime}{"\n"}{end}"#,
+    ])
+    .lines()
+    .filter_map(|l| l.split_once('='))
+    .map(|(name, renewed)| (name.to_owned(), renewed.to_owned()))
+    .collect()
 }
 
-impl Drop for Sidecars {
-    fn drop(&mut self) {
-        for child in &mut self.0 {
-            let _ = child.kill();
-            let _ = child.wait();
+/// Starts the sidecars and waits until each leads: its Lease renewed since the start, so not
+/// one a sidecar of an earlier scenario left behind. A sidecar that never leads never acts;
+/// better to fail here, naming it, than in a claim's five-minute wait.
+fn sidecars_up(socket: &Path) -> Sidecars {
+    let before = lease_renewals();
+    let sidecars = Sidecars::start(SIDECARS, socket, KUBECONFIG, Path::new(LOGS));
+    let started = Instant::now();
+    loop {
+        let now = lease_renewals();
+        let not_leading: Vec<&str> = SIDECARS
+            .iter()
+            .filter(|s| {
+                now.get(s.lease)
+                    .is_none_or(|t| t.is_empty() || before.get(s.lease) == Some(t))
+            })
+            .map(|s| s.name)
+            .collect();
+        if not_leading.is_empty() {
+            eprintln!(
+                "every sidecar leads: after {:.1} s",
+                started.elapsed().as_secs_f64()
+            );
+            break;
         }
+        if started.elapsed() > Duration::from_secs(180) {
+            panic!(
+                "not leading after 180 s: {not_leading:?}\n{}",
+                diagnostics()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(500));
     }
+    sidecars
 }
 
 // --- claims and pods -----------------------------------------------------------------------
@@ -700,13 +780,19 @@ fn configure_webhook() {
     }
 }
 
+const WEBHOOK_DELETE: &[&str] = &[
+    "delete",
+    "validatingwebhookconfiguration,mutatingwebhookconfiguration",
+    "d8-csi-mind-ustor",
+    "--ignore-not-found",
+];
+
 fn remove_webhook() {
-    kubectl(&[
-        "delete",
-        "validatingwebhookconfiguration,mutatingwebhookconfiguration",
-        "d8-csi-mind-ustor",
-        "--ignore-not-found",
-    ]);
+    kubectl(WEBHOOK_DELETE);
+}
+
+fn remove_webhook_quietly() {
+    let _ = kube().run(WEBHOOK_DELETE);
 }
 
 /// `kubectl create` of `yaml` as `user` (with the admin's group, so that only the webhook
@@ -794,7 +880,7 @@ async fn controller_up(extra: &[&str]) -> (ControllerProcess, Sidecars) {
             crd,
         ]);
     }
-    let sidecars = Sidecars::start(&controller.socket);
+    let sidecars = sidecars_up(&controller.socket);
     apply(include_str!("../../deploy/base/csidriver.yaml"));
     apply(&format!(
         "apiVersion: storage.k8s.io/v1\nkind: StorageClass\nmetadata:\n  name: {CLASS}\n\
@@ -847,7 +933,7 @@ fn assert_nothing_left(controller: &ControllerProcess) {
 async fn pods_use_our_volumes_through_a_real_kubelet() {
     let started = Instant::now();
     node_up();
-    let (controller, _sidecars) = controller_up(&[
+    let (controller, sidecars) = controller_up(&[
         "--webhook-address",
         "0.0.0.0:9443",
         "--webhook-cert-issue",
@@ -855,6 +941,7 @@ async fn pods_use_our_volumes_through_a_real_kubelet() {
         "127.0.0.1",
     ])
     .await;
+    let _clean_up = CleanUpAfterFailure;
     // After the StorageClass: the webhook lets only the controller write our StorageClasses.
     configure_webhook();
 
@@ -1071,6 +1158,7 @@ async fn pods_use_our_volumes_through_a_real_kubelet() {
     );
     assert_nothing_left(&controller);
     remove_webhook();
+    sidecars.assert_steady();
     eprintln!(
         "the real node's scenarios took {:.0} s",
         started.elapsed().as_secs_f64()
@@ -1172,6 +1260,8 @@ async fn the_controller_deployment_from_its_image_serves_a_tls_claim() {
         data.path(),
         std::net::SocketAddr::from(([127, 0, 0, 1], nbd.tcp_port().unwrap())),
     );
+
+    let _clean_up = CleanUpAfterFailure;
 
     // The driver, as the README installs it.
     let deployment = std::fs::read_to_string(CONTROLLER_DEPLOYMENT).unwrap();
@@ -1536,7 +1626,8 @@ fn report(what: &str, times: &mut [Duration]) {
 #[ignore = "vm: needs the booted real-node root of tests/vm/run"]
 async fn kubelet_latency_of_claims_to_running_pods() {
     node_up();
-    let (controller, _sidecars) = controller_up(&[]).await;
+    let (controller, sidecars) = controller_up(&[]).await;
+    let _clean_up = CleanUpAfterFailure;
 
     let mut one_by_one = Vec::new();
     let before = NodeTimes::now();
@@ -1596,6 +1687,7 @@ async fn kubelet_latency_of_claims_to_running_pods() {
     kubectl(&["delete", "pods", "--all", "--wait=true", "--timeout=600s"]);
     kubectl(&["delete", "pvc", "--all", "--wait=true", "--timeout=600s"]);
     assert_nothing_left(&controller);
+    sidecars.assert_steady();
 }
 
 // --- Kubernetes' storage e2e suite ----------------------------------------------------------
@@ -1710,7 +1802,8 @@ async fn upstream_storage_e2e_suite() {
     node_up();
     // No admission webhook: the suite makes StorageClasses of our provisioner per spec, which
     // the webhook reserves to our controller.
-    let (controller, _sidecars) = controller_up(&[]).await;
+    let (controller, sidecars) = controller_up(&[]).await;
+    let _clean_up = CleanUpAfterFailure;
     for name in E2E_BUSYBOX_NAMES {
         ok(
             "ctr",
@@ -1831,4 +1924,5 @@ async fn upstream_storage_e2e_suite() {
     );
     kubectl(&["delete", "pvc", "--all", "--wait=true", "--timeout=600s"]);
     assert_nothing_left(&controller);
+    sidecars.assert_steady();
 }
