@@ -1421,6 +1421,25 @@ async fn the_controller_deployment_from_its_image_serves_a_tls_claim() {
         Vec::<String>::new(),
         "stage TLS left"
     );
+    // The base's RBAC covers all the controller did (its watches too): nothing was forbidden.
+    let log = kubectl(&[
+        "logs",
+        "-n",
+        DRIVER_NAMESPACE,
+        "deployment/csi-controller",
+        "-c",
+        "controller",
+    ]);
+    assert!(
+        log.contains("serving the admission webhook"),
+        "not the controller's log: {log}"
+    );
+    let forbidden: Vec<&str> = log.lines().filter(|l| l.contains("forbidden")).collect();
+    assert!(
+        forbidden.is_empty(),
+        "the API server refused the controller (deploy/base/rbac.yaml):\n{}",
+        forbidden.join("\n")
+    );
 
     kubectl(&[
         "delete",
