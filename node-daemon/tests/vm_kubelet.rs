@@ -246,14 +246,29 @@ fn problem_lines(log: &str) -> Vec<&str> {
 
 /// Polls until `probe` answers; on time-out fails with the cluster's diagnostics.
 fn wait_for<T>(what: &str, patience: Duration, mut probe: impl FnMut() -> Option<T>) -> T {
+    wait_until(what, patience, || probe().ok_or_else(String::new))
+}
+
+/// [`wait_for`], with a probe that says what it still waits for: the failure names it.
+fn wait_until<T>(
+    what: &str,
+    patience: Duration,
+    mut probe: impl FnMut() -> Result<T, String>,
+) -> T {
     let started = Instant::now();
     loop {
-        if let Some(v) = probe() {
-            eprintln!("{what}: after {:.1} s", started.elapsed().as_secs_f64());
-            return v;
-        }
+        let missing = match probe() {
+            Ok(v) => {
+                eprintln!("{what}: after {:.1} s", started.elapsed().as_secs_f64());
+                return v;
+            }
+            Err(missing) => missing,
+        };
         if started.elapsed() > patience {
-            panic!("{what}: not within {patience:?}\n{}", diagnostics());
+            panic!(
+                "{what}: not within {patience:?}{missing}\n{}",
+                diagnostics()
+            );
         }
         std::thread::sleep(Duration::from_millis(500));
     }
@@ -462,8 +477,7 @@ fn lease_renewals() -> std::collections::HashMap<String, String> {
 fn sidecars_up(socket: &Path) -> Sidecars {
     let before = lease_renewals();
     let sidecars = Sidecars::start(SIDECARS, socket, KUBECONFIG, Path::new(LOGS));
-    let started = Instant::now();
-    loop {
+    wait_until("every sidecar leads", Duration::from_secs(180), || {
         let now = lease_renewals();
         let not_leading: Vec<&str> = SIDECARS
             .iter()
@@ -474,20 +488,11 @@ fn sidecars_up(socket: &Path) -> Sidecars {
             .map(|s| s.name)
             .collect();
         if not_leading.is_empty() {
-            eprintln!(
-                "every sidecar leads: after {:.1} s",
-                started.elapsed().as_secs_f64()
-            );
-            break;
+            Ok(())
+        } else {
+            Err(format!("; not leading: {not_leading:?}"))
         }
-        if started.elapsed() > Duration::from_secs(180) {
-            panic!(
-                "not leading after 180 s: {not_leading:?}\n{}",
-                diagnostics()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(500));
-    }
+    });
     sidecars
 }
 

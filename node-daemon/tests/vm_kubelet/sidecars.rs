@@ -25,7 +25,6 @@ pub struct Spec {
 }
 
 /// A sidecar's exit, as the scenario's report shows it.
-#[derive(Clone)]
 struct Exit {
     name: &'static str,
     status: String,
@@ -81,7 +80,7 @@ struct Shared {
 pub struct Sidecars {
     shared: Arc<Shared>,
     supervisor: Option<std::thread::JoinHandle<()>>,
-    /// When they were first started: exits before it belong to an earlier scenario.
+    /// How many exits [`EXITS`] held when these started: those belong to earlier scenarios.
     first_exit: usize,
 }
 
@@ -199,21 +198,17 @@ fn supervise(shared: &Shared, launch: &Launch) {
             };
             let log_path = launch.log_path(r.spec);
             let log = std::fs::read_to_string(&log_path).unwrap_or_default();
-            let lines: Vec<String> = log
-                .lines()
-                .rev()
-                .take(LOG_END_LINES)
-                .map(str::to_owned)
-                .collect::<Vec<_>>()
-                .into_iter()
-                .rev()
+            let lines: Vec<&str> = log.lines().collect();
+            let log_end: Vec<String> = lines[lines.len().saturating_sub(LOG_END_LINES)..]
+                .iter()
+                .map(|l| l.to_string())
                 .collect();
             let exit = Exit {
                 name: r.spec.name,
                 status: status.to_string(),
                 ran_for: r.started.elapsed(),
-                excused: lost_its_lease(&lines),
-                log_end: lines,
+                excused: lost_its_lease(&log_end),
+                log_end,
             };
             eprint!("sidecar {exit}");
             EXITS.lock().unwrap().push(exit);
