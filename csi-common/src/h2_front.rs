@@ -91,8 +91,14 @@ impl Stream for Incoming {
 fn front(client: UnixStream) -> DuplexStream {
     let (server_side, relay_side) = tokio::io::duplex(PIPE_BYTES);
     tokio::spawn(async move {
-        if let Err(e) = relay(client, relay_side).await {
-            tracing::debug!(error = %e, "gRPC connection closed by the HTTP/2 front");
+        // A closed connection costs a client (a sidecar exits when it loses its connection),
+        // so anything but a probe that connects and leaves says which step failed.
+        match relay(client, relay_side).await {
+            Ok(()) => {}
+            Err(FrontError::ReadPreface(e)) if e.kind() == io::ErrorKind::UnexpectedEof => {
+                tracing::debug!("a client connected and left without a request");
+            }
+            Err(e) => tracing::warn!(error = %e, "gRPC connection closed by the HTTP/2 front"),
         }
     });
     server_side
