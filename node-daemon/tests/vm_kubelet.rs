@@ -1721,9 +1721,39 @@ const E2E_SUITE: &str = "/vm/bin/e2e-storage.test";
 const E2E_DRIVER: &str = "/vm/kube/e2e-driver.yaml";
 /// A name of the API server's own certificate (`testkit::kube_cluster`).
 const E2E_API_SERVER_NAME: &str = "kubernetes.default.svc";
-/// What CI runs: every spec of these suites that applies to this driver on a one-node
-/// cluster. `USTOR_E2E=full` (`tests/vm/run`'s environment) runs every External Storage spec.
-const E2E_CI_FOCUS: &str = r"External.Storage.*\] (provisioning|volumes|volumeIO|volumeMode|volume-expand|snapshottable|multiVolume)\b";
+/// The subset: every spec of these suites that applies to this driver on a one-node cluster.
+/// `USTOR_E2E=full` (`tests/vm/run`'s environment) runs every External Storage spec.
+const E2E_SUBSET_SUITES: &str =
+    "provisioning|volumes|volumeIO|volumeMode|volume-expand|snapshottable|multiVolume";
+/// CI (`USTOR_E2E=share`) runs four specs of the subset on each kernel line, one from each
+/// of four of its suites, all four at once (`E2E_PARALLEL`). The whole subset takes one line
+/// about 17 minutes under TCG, and with both lines' real nodes at once on two cores more than
+/// 35; one wave of four costs CI a few minutes. `--filter e2e` runs all of it.
+const E2E_CI_SHARES: [(&str, [&str; 4]); 2] = [
+    (
+        "6.1.",
+        [
+            r"Dynamic PV \(xfs\)\]\[Slow\] volumes should allow exec of files on the volume$",
+            r"Dynamic PV \(default fs\)\(allowExpansion\)\] volume-expand Verify if offline PVC expansion works$",
+            r"Dynamic PV \(filesystem volmode\)\] multiVolume \[Slow\] should access to two volumes with the same volume mode and retain data across pod recreation on the same node",
+            r"Dynamic PV \(default fs\)\] provisioning should provision storage with snapshot data source",
+        ],
+    ),
+    (
+        "6.12.",
+        [
+            r"Dynamic PV \(default fs\)\] volumes should store data$",
+            r"Dynamic PV \(default fs\)\(allowExpansion\)\] volume-expand should resize volume when PVC is edited while pod is using it$",
+            r"Dynamic Snapshot \(delete policy\)\] snapshottable.*should check snapshot fields",
+            r"Dynamic PV \(default fs\)\] provisioning should provision storage with pvc data source$",
+        ],
+    ),
+];
+
+/// The ginkgo focus on the given suites of the External Storage specs.
+fn e2e_focus_on(suites: &str) -> String {
+    format!(r"External.Storage.*\] ({suites})\b")
+}
 /// Not run, in either: the disruptive specs restart kubelet over SSH, which this node does not
 /// serve; the snapshot stress spec needs stress options a driver definition sets for a
 /// cluster with room for many volumes at once.
@@ -1735,6 +1765,106 @@ const E2E_BUSYBOX_NAMES: [&str; 3] = [
     "k8s.gcr.io/build-image/debian-iptables:buster-v1.3.0",
 ];
 
+/// Which specs a run of the suite takes, from `tests/vm/run`.
+#[derive(Debug)]
+enum E2eScope {
+    /// `USTOR_E2E_FOCUS`: the specs a focus of one's own matches.
+    ByHand(String),
+    /// `USTOR_E2E=full`: every External Storage spec.
+    Full,
+    /// `USTOR_E2E=share` (CI): this kernel line's specs of the subset.
+    Share(&'static [&'static str; 4]),
+    /// The subset (`--filter e2e`).
+    Subset,
+}
+
+impl E2eScope {
+    fn chosen() -> E2eScope {
+        let by_hand = std::fs::read_to_string(E2E_FOCUS_FILE).unwrap_or_default();
+        if !by_hand.trim().is_empty() {
+            return E2eScope::ByHand(by_hand.trim().to_owned());
+        }
+        match std::env::var("USTOR_E2E").as_deref() {
+            Ok("full") => E2eScope::Full,
+            Ok("share") => {
+                let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+                let (_, specs) = E2E_CI_SHARES
+                    .iter()
+                    .find(|(line, _)| release.starts_with(line))
+                    .unwrap_or_else(|| panic!("no share of the e2e subset for kernel {release}"));
+                E2eScope::Share(specs)
+            }
+            _ => E2eScope::Subset,
+        }
+    }
+
+    fn focus(&self) -> String {
+        match self {
+            E2eScope::ByHand(focus) => focus.clone(),
+            E2eScope::Full => "External.Storage".to_owned(),
+            E2eScope::Share(specs) => format!("External.Storage.*(?:{})", specs.join("|")),
+            E2eScope::Subset => e2e_focus_on(E2E_SUBSET_SUITES),
+        }
+    }
+
+    /// The specs this driver has passed in that scope on a one-node 1.20 cluster: fewer means
+    /// some stopped applying (a capability lost from the definition, a pattern skipped).
+    fn least_passed(&self) -> usize {
+        match self {
+            E2eScope::ByHand(_) => 1,
+            E2eScope::Full => 40,
+            E2eScope::Share(specs) => specs.len(),
+            E2eScope::Subset => 20,
+        }
+    }
+}
+
+/// ginkgo's own runner (built with the suite), which shares the specs among processes as
+/// Kubernetes' CI does. Most of a spec is waiting on kubelet: 1.20 deletes a finished pod only
+/// after its container garbage collection, which runs once a minute. Processes that wait at
+/// the same time cut the run nearly as many times.
+const E2E_GINKGO: &str = "/vm/bin/ginkgo";
+const E2E_PARALLEL: usize = 4;
+/// Where `tests/vm/run` puts `USTOR_E2E_FOCUS`, a ginkgo focus that replaces the subset's.
+const E2E_FOCUS_FILE: &str = "/vm/kube/e2e-focus";
+
+/// One ginkgo run of the suite: its whole output (also kept in the node's log directory), its
+/// totals and whether it passed.
+struct E2eRun {
+    output: String,
+    totals: Option<GinkgoTotals>,
+    success: bool,
+}
+
+fn run_e2e(kubeconfig: &str, focus: &str, skip: &str, processes: usize, log_name: &str) -> E2eRun {
+    let log_path = Path::new(LOGS).join(log_name);
+    std::fs::create_dir_all(LOGS).unwrap();
+    let log = std::fs::File::create(&log_path).unwrap();
+    let status = Command::new(E2E_GINKGO)
+        .arg(format!("-nodes={processes}"))
+        .arg(format!("-focus={focus}"))
+        .arg(format!("-skip={skip}"))
+        .args(["-v", "-noColor", "-trace", E2E_SUITE, "--"])
+        .arg(format!("--kubeconfig={kubeconfig}"))
+        .arg(format!("--storage.testdriver={E2E_DRIVER}"))
+        .args([
+            "--report-dir=/var/log/vm-kubelet-e2e",
+            "--provider=skeleton",
+        ])
+        // Its hostexec pods read the node's root; kubectl is this guest's.
+        .arg("--kubectl-path=/vm/bin/kubectl")
+        .stdout(log.try_clone().unwrap())
+        .stderr(log)
+        .status()
+        .unwrap();
+    let output = std::fs::read_to_string(&log_path).unwrap();
+    E2eRun {
+        totals: ginkgo_totals(&output),
+        output,
+        success: status.success(),
+    }
+}
+
 /// The totals of a ginkgo run, from its closing lines (`Ran 20 of 205 Specs …` and
 /// `… -- 20 Passed | 0 Failed | 0 Pending | 185 Skipped`).
 #[derive(Debug, PartialEq)]
@@ -1744,6 +1874,20 @@ struct GinkgoTotals {
     passed: usize,
     failed: usize,
     skipped: usize,
+}
+
+impl GinkgoTotals {
+    /// Two runs over the same suite, each of which skipped what the other ran.
+    fn sum(a: GinkgoTotals, b: GinkgoTotals) -> GinkgoTotals {
+        let ran = a.ran + b.ran;
+        GinkgoTotals {
+            ran,
+            of: a.of,
+            passed: a.passed + b.passed,
+            failed: a.failed + b.failed,
+            skipped: a.of.saturating_sub(ran),
+        }
+    }
 }
 
 fn ginkgo_totals(output: &str) -> Option<GinkgoTotals> {
@@ -1779,13 +1923,7 @@ fn skipped_with_reasons(output: &str) -> Vec<(String, String)> {
         if !line.contains("[SKIPPING]") {
             continue;
         }
-        let spec = lines[i + 1..]
-            .iter()
-            .take(6)
-            .map(|l| l.trim())
-            .filter(|l| !l.is_empty() && !l.starts_with('/'))
-            .collect::<Vec<_>>()
-            .join(" ");
+        let spec = spec_text(&lines[i + 1..]);
         let reason = lines[i + 1..]
             .iter()
             .take(20)
@@ -1797,6 +1935,59 @@ fn skipped_with_reasons(output: &str) -> Vec<(String, String)> {
         found.push((spec, reason));
     }
     found
+}
+
+/// A spec's text from the lines after its header in ginkgo's verbose output: its nested
+/// descriptions, each on a line followed by its source location.
+fn spec_text(after_header: &[&str]) -> String {
+    after_header
+        .iter()
+        .take(6)
+        .map(|l| l.trim())
+        .filter(|l| !l.is_empty() && !l.starts_with('/'))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// How long each spec that ran took, longest first, from the headers ginkgo gives every spec
+/// over 5 s (`• [SLOW TEST:99.194 seconds]`) and every failed one (`• Failure [99.194 seconds]`).
+fn spec_durations(output: &str) -> Vec<(f64, String)> {
+    let lines: Vec<&str> = output.lines().collect();
+    let mut found: Vec<(f64, String)> = lines
+        .iter()
+        .enumerate()
+        .filter_map(|(i, line)| {
+            let rest = line
+                .strip_prefix("• [SLOW TEST:")
+                .or_else(|| line.strip_prefix("• Failure ["))?;
+            let seconds = rest.split_whitespace().next()?.parse().ok()?;
+            Some((seconds, spec_text(&lines[i + 1..])))
+        })
+        .collect();
+    found.sort_by(|a, b| b.0.total_cmp(&a.0));
+    found
+}
+
+#[test]
+fn spec_durations_are_read_from_the_spec_headers() {
+    let output = "• [SLOW TEST:99.194 seconds]\nExternal Storage\n/src/external.go:169\n  \
+                  volumes\n  /src/base.go:129\n    should store data\n    /src/volumes.go:151\n\
+                  ------------------------------\n•\n------------------------------\n\
+                  • Failure [312.5 seconds]\nExternal Storage\n/src/external.go:169\n  \
+                  volume-expand\n  /src/base.go:129\n    should resize\n";
+    assert_eq!(
+        spec_durations(output),
+        vec![
+            (
+                312.5,
+                "External Storage volume-expand should resize".to_owned()
+            ),
+            (
+                99.194,
+                "External Storage volumes should store data".to_owned()
+            ),
+        ]
+    );
 }
 
 #[test]
@@ -1868,38 +2059,43 @@ async fn upstream_storage_e2e_suite() {
     );
     let e2e_kubeconfig = "/vm/kube/e2e-kubeconfig";
     std::fs::write(e2e_kubeconfig, kubeconfig).unwrap();
-    let full = std::env::var("USTOR_E2E").is_ok_and(|v| v == "full");
-    let focus = if full {
-        "External.Storage"
-    } else {
-        E2E_CI_FOCUS
+    let scope = E2eScope::chosen();
+    let focus = scope.focus();
+    // The parallel pass leaves out the [Serial] specs, which then run alone.
+    let parallel = run_e2e(
+        e2e_kubeconfig,
+        &focus,
+        &format!("{E2E_SKIP}|\\[Serial\\]"),
+        E2E_PARALLEL,
+        "e2e.log",
+    );
+    let serial = run_e2e(
+        e2e_kubeconfig,
+        &format!("(?:{focus}).*\\[Serial\\]"),
+        E2E_SKIP,
+        1,
+        "e2e-serial.log",
+    );
+    let output = format!("{}\n{}", parallel.output, serial.output);
+    let totals = match (parallel.totals, serial.totals) {
+        (Some(p), Some(s)) => GinkgoTotals::sum(p, s),
+        _ => {
+            let lines: Vec<&str> = output.lines().collect();
+            panic!(
+                "the e2e suite printed no totals; its end:\n{}\n{}",
+                lines[lines.len().saturating_sub(80)..].join("\n"),
+                diagnostics()
+            )
+        }
     };
-    let log_path = Path::new(LOGS).join("e2e.log");
-    std::fs::create_dir_all(LOGS).unwrap();
-    let log = std::fs::File::create(&log_path).unwrap();
-    let status = Command::new(E2E_SUITE)
-        .arg(format!("--kubeconfig={e2e_kubeconfig}"))
-        .arg(format!("--storage.testdriver={E2E_DRIVER}"))
-        .arg(format!("--ginkgo.focus={focus}"))
-        .arg(format!("--ginkgo.skip={E2E_SKIP}"))
-        .args(["--ginkgo.v", "--ginkgo.noColor", "--ginkgo.trace"])
-        .args([
-            "--report-dir=/var/log/vm-kubelet-e2e",
-            "--provider=skeleton",
-        ])
-        // Its hostexec pods read the node's root; kubectl is this guest's.
-        .arg("--kubectl-path=/vm/bin/kubectl")
-        .stdout(log.try_clone().unwrap())
-        .stderr(log)
-        .status()
-        .unwrap();
-    let output = std::fs::read_to_string(&log_path).unwrap();
-    let totals = ginkgo_totals(&output);
+    let success = parallel.success && serial.success;
     eprintln!(
-        "E2E {}: {totals:?} in {:.0} s (exit {status})",
-        if full { "full" } else { "ci subset" },
+        "E2E {scope:?}: {totals:?} in {:.0} s ({E2E_PARALLEL} ginkgo processes, then the serial specs)",
         started.elapsed().as_secs_f64()
     );
+    for (seconds, spec) in spec_durations(&output) {
+        eprintln!("E2E spec {seconds:.0} s: {spec}");
+    }
     for (spec, reason) in skipped_with_reasons(&output) {
         eprintln!("E2E skipped: {spec} -- {reason}");
     }
@@ -1907,14 +2103,6 @@ async fn upstream_storage_e2e_suite() {
         .lines()
         .skip_while(|l| !l.starts_with("Summarizing "))
         .collect();
-    let totals = totals.unwrap_or_else(|| {
-        let lines: Vec<&str> = output.lines().collect();
-        panic!(
-            "the e2e suite printed no totals; its end:\n{}\n{}",
-            lines[lines.len().saturating_sub(80)..].join("\n"),
-            diagnostics()
-        )
-    });
     // Each failure's message and place: ginkgo prints them after `Failure [` (a spec) or
     // `[BeforeSuite]`, up to its closing dashes.
     let mut reports = Vec::new();
@@ -1931,16 +2119,14 @@ async fn upstream_storage_e2e_suite() {
         }
     }
     assert!(
-        totals.failed == 0 && status.success(),
+        totals.failed == 0 && success,
         "{} e2e spec(s) failed:\n{}\n{}\n{}",
         totals.failed,
         reports[..reports.len().min(400)].join("\n"),
         failures.join("\n"),
         diagnostics()
     );
-    // The specs of the CI subset this driver passes on a one-node 1.20 cluster: fewer means
-    // some stopped applying (a capability lost from the definition, a pattern skipped).
-    let least = if full { 40 } else { 15 };
+    let least = scope.least_passed();
     assert!(
         totals.passed >= least,
         "only {} e2e specs passed (expected at least {least}): {totals:?}",
