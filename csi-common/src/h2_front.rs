@@ -63,6 +63,24 @@ pub enum FrontError {
     WriteClient(#[source] io::Error),
 }
 
+impl FrontError {
+    /// Whether the client ended the connection (reset, closed, gone) rather than the front
+    /// refusing what it sent or the server going away.
+    fn is_the_clients_leaving(&self) -> bool {
+        match self {
+            FrontError::ReadPreface(_) | FrontError::ReadFrame(_) | FrontError::WriteClient(_) => {
+                true
+            }
+            FrontError::NotHttp2
+            | FrontError::ShortFrame { .. }
+            | FrontError::InterruptedHeaderBlock { .. }
+            | FrontError::HeaderBlockTooLarge { .. }
+            | FrontError::Hpack { .. }
+            | FrontError::WriteServer(_) => false,
+        }
+    }
+}
+
 /// The connections accepted on `listener`, each already behind the front: what tonic's
 /// `serve_with_incoming` takes in place of the listener itself.
 pub fn incoming(listener: UnixListener) -> Incoming {
@@ -91,12 +109,13 @@ impl Stream for Incoming {
 fn front(client: UnixStream) -> DuplexStream {
     let (server_side, relay_side) = tokio::io::duplex(PIPE_BYTES);
     tokio::spawn(async move {
-        // A closed connection costs a client (a sidecar exits when it loses its connection),
-        // so anything but a probe that connects and leaves says which step failed.
+        // A connection the front or the server closes costs a client (a sidecar exits when
+        // it loses its connection), so it says which step failed; one the client dropped
+        // (a probe, an abandoned call, a killed process) is the client's business.
         match relay(client, relay_side).await {
             Ok(()) => {}
-            Err(FrontError::ReadPreface(e)) if e.kind() == io::ErrorKind::UnexpectedEof => {
-                tracing::debug!("a client connected and left without a request");
+            Err(e) if e.is_the_clients_leaving() => {
+                tracing::debug!(error = %e, "the client left its gRPC connection");
             }
             Err(e) => tracing::warn!(error = %e, "gRPC connection closed by the HTTP/2 front"),
         }
