@@ -1724,8 +1724,7 @@ const E2E_DRIVER: &str = "/vm/kube/e2e-driver.yaml";
 const E2E_API_SERVER_NAME: &str = "kubernetes.default.svc";
 /// The subset: every spec of these suites that applies to this driver on a one-node cluster.
 /// `USTOR_E2E=full` (`tests/vm/run`'s environment) runs every External Storage spec.
-const E2E_SUBSET_SUITES: &str =
-    "provisioning|volumes|volumeIO|volumeMode|volume-expand|snapshottable|multiVolume";
+const E2E_SUBSET_FOCUS: &str = r"External.Storage.*\] (provisioning|volumes|volumeIO|volumeMode|volume-expand|snapshottable|multiVolume)\b";
 /// CI (`USTOR_E2E=share`) runs two specs of the subset on each kernel line, both at once. The
 /// whole subset takes one line about 17 minutes under TCG, and both lines' real nodes at once
 /// on two cores more than 35; four specs a line took 14 to 15 minutes with their set-up, more
@@ -1747,10 +1746,6 @@ const E2E_CI_SHARES: [(&str, &[&str]); 2] = [
     ),
 ];
 
-/// The ginkgo focus on the given suites of the External Storage specs.
-fn e2e_focus_on(suites: &str) -> String {
-    format!(r"External.Storage.*\] ({suites})\b")
-}
 /// Not run, in either: the disruptive specs restart kubelet over SSH, which this node does not
 /// serve; the snapshot stress spec needs stress options a driver definition sets for a
 /// cluster with room for many volumes at once.
@@ -1800,7 +1795,7 @@ impl E2eScope {
             E2eScope::ByHand(focus) => focus.clone(),
             E2eScope::Full => "External.Storage".to_owned(),
             E2eScope::Share(specs) => format!("External.Storage.*(?:{})", specs.join("|")),
-            E2eScope::Subset => e2e_focus_on(E2E_SUBSET_SUITES),
+            E2eScope::Subset => E2E_SUBSET_FOCUS.to_owned(),
         }
     }
 
