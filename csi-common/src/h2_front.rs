@@ -14,6 +14,7 @@
 
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 
 use futures::Stream;
@@ -113,7 +114,12 @@ fn front(client: UnixStream) -> DuplexStream {
         // it loses its connection), so it says which step failed; one the client dropped
         // (a probe, an abandoned call, a killed process) is the client's business.
         match relay(client, relay_side).await {
-            Ok(()) => {}
+            Ok(Ended::ByClient) => {}
+            // tonic closes a connection only at shutdown or on an error it keeps at debug: a
+            // sidecar that then exits with "Lost connection" is explained here.
+            Ok(Ended::ByServer) => {
+                tracing::info!("the gRPC server closed a connection its client still held");
+            }
             Err(e) if e.is_the_clients_leaving() => {
                 tracing::debug!(error = %e, "the client left its gRPC connection");
             }
@@ -123,18 +129,29 @@ fn front(client: UnixStream) -> DuplexStream {
     server_side
 }
 
+/// Which side ended a connection that closed without an error.
+#[derive(Debug, PartialEq)]
+enum Ended {
+    /// The client's end of stream came first; the server's close followed it.
+    ByClient,
+    /// The server closed while the client still held its side open.
+    ByServer,
+}
+
 /// Client → server through [`HeaderRewriter`], server → client verbatim. Each direction
 /// closes its writer at its reader's end, so either side's half-close reaches the other; a
 /// client that breaks the protocol loses the connection at once.
-async fn relay<C, S>(client: C, server: S) -> Result<(), FrontError>
+async fn relay<C, S>(client: C, server: S) -> Result<Ended, FrontError>
 where
     C: AsyncRead + AsyncWrite + Unpin,
     S: AsyncRead + AsyncWrite + Unpin,
 {
     let (client_read, mut client_write) = tokio::io::split(client);
     let (mut server_read, mut server_write) = tokio::io::split(server);
+    let clients_end_seen = AtomicBool::new(false);
     let upstream = async {
         rewrite_stream(BufReader::new(client_read), &mut server_write).await?;
+        clients_end_seen.store(true, Ordering::SeqCst);
         server_write
             .shutdown()
             .await
@@ -144,12 +161,18 @@ where
         tokio::io::copy(&mut server_read, &mut client_write)
             .await
             .map_err(FrontError::WriteClient)?;
+        let ended = if clients_end_seen.load(Ordering::SeqCst) {
+            Ended::ByClient
+        } else {
+            Ended::ByServer
+        };
         client_write
             .shutdown()
             .await
-            .map_err(FrontError::WriteClient)
+            .map_err(FrontError::WriteClient)?;
+        Ok(ended)
     };
-    tokio::try_join!(upstream, downstream).map(|_| ())
+    tokio::try_join!(upstream, downstream).map(|((), ended)| ended)
 }
 
 /// Copies the client's byte stream to `server`, header blocks rewritten, until the client's

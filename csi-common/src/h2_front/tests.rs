@@ -362,3 +362,49 @@ async fn a_client_that_is_not_http2_is_dropped_and_the_server_sees_the_end() {
     far.read_to_end(&mut rest).await.expect("reads to the end");
     assert!(rest.is_empty(), "nothing reached the server: {rest:?}");
 }
+
+/// Opens a connection through the front with the client's preface, as every gRPC client does.
+async fn opened_relay() -> (
+    tokio::task::JoinHandle<Result<Ended, FrontError>>,
+    tokio::io::DuplexStream,
+    tokio::io::DuplexStream,
+) {
+    let (client, mut near) = tokio::io::duplex(1024);
+    let (server, mut far) = tokio::io::duplex(1024);
+    let relaying = tokio::spawn(relay(client, server));
+    near.write_all(PREFACE).await.expect("writes");
+    let mut preface = [0u8; PREFACE.len()];
+    far.read_exact(&mut preface)
+        .await
+        .expect("the server gets the preface");
+    (relaying, near, far)
+}
+
+#[tokio::test]
+async fn a_connection_the_client_ends_is_told_from_one_the_server_ends() {
+    // The client closes: the server sees the end, closes too, and the client ended it.
+    let (relaying, near, mut far) = opened_relay().await;
+    drop(near);
+    let mut rest = Vec::new();
+    far.read_to_end(&mut rest)
+        .await
+        .expect("the server sees the end");
+    drop(far);
+    assert_eq!(
+        relaying.await.expect("the relay ends").expect("no error"),
+        Ended::ByClient
+    );
+
+    // The server closes while the client holds on: the client sees the end first.
+    let (relaying, mut near, far) = opened_relay().await;
+    drop(far);
+    let mut rest = Vec::new();
+    near.read_to_end(&mut rest)
+        .await
+        .expect("the client sees the end");
+    near.shutdown().await.expect("the client closes its side");
+    assert_eq!(
+        relaying.await.expect("the relay ends").expect("no error"),
+        Ended::ByServer
+    );
+}
